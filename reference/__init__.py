@@ -20,8 +20,27 @@ from fp8rl.reference.formats import (
     round_to_format,
     ulp_distance,
 )
+from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
+from fp8rl.reference.quant import (
+    PRESETS,
+    Granularity,
+    QuantizedTensor,
+    ScalePolicy,
+    compute_amax,
+    dequantize,
+    expand_scale,
+    get_policy,
+    quant_multiplier_from_amax,
+    quantize,
+    quantize_with_scale,
+    round_scale_pow2,
+    scale_from_amax,
+)
 
 __all__ = [
     "E4M3FN", "E4M3FNUZ", "E5M2", "E5M2FNUZ", "E8M0FNU", "ELEMENT_FORMATS", "FORMATS", "FP8Format",
     "decode", "decode_codes", "encode", "encode_codes", "get_format", "round_to_format", "ulp_distance",
+    "PRESETS", "Granularity", "QuantizedTensor", "ScalePolicy", "compute_amax", "dequantize", "expand_scale",
+    "get_policy", "quant_multiplier_from_amax", "quantize", "quantize_with_scale", "round_scale_pow2",
+    "scale_from_amax", "block_gemm_exact", "gemm_error_bound",
 ]

@@ -52,7 +52,7 @@ class FP8Format:
     @property
     def min_exponent(self) -> int:
         """Unbiased exponent of the smallest normal number: 1 - bias."""
-        return 1 - self.bias
+        return 1 - self.bias if self.has_subnormals else -self.bias  # e8m0: exponent field 0 is 2^-127
 
     @property
     def max_finite(self) -> float:
@@ -126,6 +126,8 @@ def get_format(fmt: str | FP8Format) -> FP8Format:
 
 def _as_numpy_f32(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
+        if not x.is_floating_point():
+            raise TypeError(f"x: expected a floating-point array or tensor, got dtype {x.dtype}")
         x = x.detach().to("cpu", torch.float32).numpy()
     arr = np.asarray(x)
     if arr.dtype != np.float32:
@@ -187,7 +189,10 @@ def encode_codes(x, fmt: str | FP8Format, overflow: OverflowPolicy = "saturate",
     ``x`` is rounded to fp32 first (inputs are fp32/bf16/fp16 in every engine we test). For e8m0fnu (a scale
     format without sign or zero) ``e8m0_rounding`` selects how the significand is rounded: ``nearest_ties_up``
     (torch's cast: 1.5·2^e → 2^(e+1)), ``ceil`` (UE8M0 scales) or ``floor``; zero/negative/tiny inputs map to
-    2^-127 (code 0) and the sign is ignored, matching torch; ±inf and NaN map to 0xFF (NaN).
+    2^-127 (code 0) and the sign is ignored, matching torch. e8m0 ignores ``overflow``: finite values that round
+    above 2^127 clamp to 0xFE (2^127; torch gives NaN 0xFF) and ±inf/NaN give 0xFF. Known difference from torch: fp32
+    subnormal inputs in [2^-127, 1.5·2^-127) encode to 2^-127 here (the nearest value) and to 2^-126 in torch,
+    which rounds the exponent field bitwise.
     """
     f = get_format(fmt)
     if overflow not in OVERFLOW_POLICIES:

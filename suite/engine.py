@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy
 
 CapabilityMap = dict[str, "bool | str"]
@@ -85,6 +84,15 @@ class Engine:
     def block_gemm(self, a: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         """y = dequant(a) @ dequant(w)ᵀ for a (M,K) activations and w (N,K) weights, returned in ``out_dtype``."""
         raise Unsupported(f"{self.name} has no block_gemm op")
+
+    # -- area kv: KV-cache ops (BEGIN kv section; only the KV area edits between these markers) ----------------
+    # -- END kv section -----------------------------------------------------------------------------------------
+
+    # -- area correction: rollout-correction ops (BEGIN correction section) -------------------------------------
+    # -- END correction section ---------------------------------------------------------------------------------
+
+    # -- area weight_sync / e2e: weight-sync and rollout ops (BEGIN e2e section) ----------------------------------
+    # -- END e2e section ----------------------------------------------------------------------------------------
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

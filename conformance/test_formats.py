@@ -1,0 +1,65 @@
+"""Area ``formats``: the engine's fp32 → FP8 cast, code for code, under the overflow policy it declares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fp8rl.checks import assert_codes_equal, check
+from fp8rl.engine import ELEMENT_FORMATS
+from fp8rl.reference.formats import encode, get_format
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ._inputs import cast_sweep
+
+FORMATS = pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
+
+
+@FORMATS
+@check("CAST-POLICY-001", "The engine declares, per format, an overflow policy that the format can express "
+       "(saturate or nan; inf only for formats with an infinity).", requires=["cast.{fmt}"])
+def test_cast_declared_policy_is_valid(engine, fmt):
+    policy = engine.cast_overflow(fmt)
+    allowed = get_format(fmt).allowed_overflow()
+    assert policy in allowed, f"{engine.name} declares overflow policy {policy!r} for {fmt}; allowed: {allowed}"
+
+
+@FORMATS
+@check("CAST-SWEEP-001", "Casting every FP8 value, every midpoint between neighbours (ties to even), each ±1 fp32 "
+       "ulp, the overflow region, ±inf, NaN, ±0 and fp32 subnormals gives exactly the oracle's codes under the "
+       "declared overflow policy.", requires=["cast.{fmt}"])
+def test_cast_sweep_exact(engine, fmt):
+    x = cast_sweep(fmt)
+    got = engine.cast(x, fmt)
+    expected = encode(x, fmt, engine.cast_overflow(fmt))
+    assert_codes_equal(got, expected, fmt, context=f"cast fp32→{fmt} sweep", inputs=x)
+
+
+@FORMATS
+@check("CAST-RANDOM-001", "Casting random fp32 values spanning the format's whole exponent range (and beyond) "
+       "gives exactly the oracle's codes.", requires=["cast.{fmt}"])
+def test_cast_random_exact(engine, fmt, rng):
+    f = get_format(fmt)
+    lo, hi = int(np.log2(f.min_subnormal)) - 3, int(np.log2(f.max_finite)) + 3
+    x = rng.standard_normal(4096).astype(np.float32) * np.exp2(rng.integers(lo, hi, 4096)).astype(np.float32)
+    xt = torch.from_numpy(x)
+    got = engine.cast(xt, fmt)
+    assert_codes_equal(got, encode(xt, fmt, engine.cast_overflow(fmt)), fmt, context=f"cast fp32→{fmt} random",
+                       inputs=xt)
+
+
+@FORMATS
+@check("CAST-PROP-001", "For any fp32 input (hypothesis: subnormals, huge values, ±inf and NaN included) the cast "
+       "gives exactly the oracle's codes, elementwise and for any tensor shape.", requires=["cast.{fmt}"])
+def test_cast_property_exact(engine, fmt):
+    @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+                    min_size=1, max_size=64),
+           st.sampled_from([(-1,), (1, -1), (-1, 1)]))
+    def inner(values, shape):
+        x = torch.tensor(values, dtype=torch.float32).reshape(shape)
+        got = engine.cast(x, fmt)
+        assert_codes_equal(got, encode(x, fmt, engine.cast_overflow(fmt)).reshape(x.shape), fmt,
+                           context=f"cast fp32→{fmt} hypothesis", inputs=x)
+
+    inner()

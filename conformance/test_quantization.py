@@ -1,0 +1,133 @@
+"""Area ``quantization``: per-tensor, per-token, per-channel, 1×G group and B×B block quantizers.
+
+The engine declares the ScalePolicy it implements per granularity (eps floor, power-of-two rounding, divide vs
+multiply, clamp); codes and scales must then equal the oracle's bit for bit. Policy-independent properties
+(round-trip error bound, finite scales for all-zero blocks) are checked too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fp8rl import tolerances
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.reference.quant import Granularity, quantize
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ._inputs import scaled_normal
+
+#: granularity kind → (granularity, shapes: divisible, non-divisible, one row, huge K)
+CASES = {
+    "tensor": (Granularity.tensor(), [(64, 256), (3, 100), (1, 4096)]),
+    "token": (Granularity.token(), [(64, 256), (5, 130), (1, 4096)]),
+    "channel": (Granularity.channel(), [(128, 256), (96, 200), (1, 4096)]),
+    "group": (Granularity.group(128), [(32, 512), (5, 320), (1, 4096), (4, 1000)]),
+    "block": (Granularity.block(128), [(256, 256), (200, 328), (1, 4096), (384, 128)]),
+}
+KINDS = pytest.mark.parametrize("kind", list(CASES))
+
+
+def _compare(engine, x: torch.Tensor, g: Granularity, context: str) -> None:
+    got = engine.quantize(x, g)
+    policy = engine.scale_policy(g.kind)
+    ref = quantize(x, g, policy)
+    assert_tensors_equal(got.scale, ref.scale, context=f"{context}: scales ({policy.name})")
+    assert_codes_equal(got.codes, ref.codes, policy.fmt, context=f"{context}: codes ({policy.name})", inputs=x)
+
+
+@KINDS
+@check("QUANT-EXACT-001", "On seeded Gaussian inputs spanning ±8 binades per row/column (divisible, "
+       "non-divisible, one-row and K=4096 shapes) scales and codes equal the oracle's under the engine's declared "
+       "policy.", requires=["quantize.{kind}"])
+def test_quantize_random_exact(engine, kind, rng):
+    g, shapes = CASES[kind]
+    for shape in shapes:
+        _compare(engine, scaled_normal(rng, shape), g, f"quantize[{kind}] {shape}")
+
+
+@KINDS
+@check("QUANT-EXACT-002", "On a large input (64×4096) where x/s and x·(1/s) differ in ~0.04% of elements, "
+       "codes equal the oracle's under the declared quant op.", requires=["quantize.{kind}"])
+def test_quantize_divide_vs_multiply_exact(engine, kind, rng):
+    g = CASES[kind][0]
+    x = torch.from_numpy(rng.standard_normal((64, 4096)).astype(np.float32) * 3.0).to(torch.bfloat16).float()
+    _compare(engine, x, g, f"quantize[{kind}] 64x4096")
+
+
+@KINDS
+@check("QUANT-EDGE-001", "An all-zero tensor, row, group or block gets a finite positive scale and all-zero "
+       "codes, and the other blocks are unaffected.", requires=["quantize.{kind}"])
+def test_quantize_zero_block_exact(engine, kind, rng):
+    g, shapes = CASES[kind]
+    for shape in shapes[:2]:
+        x = scaled_normal(rng, shape)
+        x_zero = torch.zeros(shape)
+        _compare(engine, x_zero, g, f"quantize[{kind}] all-zero {shape}")
+        got = engine.quantize(x_zero, g)
+        assert bool((got.scale > 0).all() & torch.isfinite(got.scale).all()), \
+            f"quantize[{kind}] all-zero {shape}: scales not finite positive: {got.scale.flatten()[:4].tolist()}"
+        # zero the first group/block/row only
+        x_part = x.clone()
+        x_part[: (g.size[0] if kind == "block" else 1), : (g.size[1] if kind in ("group", "block") else None)] = 0
+        _compare(engine, x_part, g, f"quantize[{kind}] first block zeroed {shape}")
+
+
+@KINDS
+@check("QUANT-EDGE-002", "Edge inputs give the oracle's scales and codes: values at ±max·scale, subnormal-only "
+       "blocks (|x| ~ 1e-30), mixed huge/tiny blocks, and a non-divisible edge whose largest element is its last "
+       "column.", requires=["quantize.{kind}"])
+def test_quantize_edge_values_exact(engine, kind, rng):
+    g, shapes = CASES[kind]
+    shape = shapes[1]
+    tiny = scaled_normal(rng, shape) * 1e-30
+    _compare(engine, tiny, g, f"quantize[{kind}] tiny {shape}")
+    mixed = scaled_normal(rng, shape)
+    mixed[..., ::7] *= 1e20
+    _compare(engine, mixed, g, f"quantize[{kind}] mixed {shape}")
+    edge = scaled_normal(rng, shape)
+    edge[..., -1] = edge.abs().amax() * 4  # the edge group's/block's max sits in its last column
+    _compare(engine, edge, g, f"quantize[{kind}] edge max in last column {shape}")
+    signs = torch.tensor([[448.0, -448.0, 1.0, -1.0] * 32] * 2)
+    _compare(engine, signs, g, f"quantize[{kind}] ±448")
+
+
+@KINDS
+@check("QUANT-PROP-001", "For hypothesis-drawn tensors (subnormals, huge values, repeated values, zeros) scales "
+       "and codes equal the oracle's under the declared policy.", requires=["quantize.{kind}"])
+def test_quantize_property_exact(engine, kind):
+    g = CASES[kind][0]
+    block = g.size[0] if kind == "block" else 1
+    width = g.size[1] if kind in ("group", "block") else 16
+
+    @given(st.integers(1, 3), st.integers(1, 3), st.integers(0, width - 1),
+           st.sampled_from([1e-30, 1e-6, 1.0, 300.0, 1e6, 1e30]), st.integers(0, 2**32 - 1))
+    def inner(rows_blocks, col_blocks, col_extra, magnitude, data_seed):
+        r = np.random.default_rng(data_seed)
+        rows = rows_blocks * block if kind == "block" else rows_blocks
+        shape = (rows, col_blocks * width + col_extra)
+        x = torch.from_numpy((r.standard_normal(shape) * magnitude).astype(np.float32))
+        x[r.random(shape) < 0.1] = 0.0
+        _compare(engine, x, g, f"quantize[{kind}] hypothesis {shape} magnitude {magnitude:g} seed {data_seed}")
+
+    inner()
+
+
+@KINDS
+@check("QUANT-BOUND-001", "Dequantized values are within the derived round-trip bound of the input: "
+       "max(2^-(m+1)·|x|, ½·min_subnormal·s) per element, for every input in range.",
+       bound="quant_roundtrip", requires=["quantize.{kind}"])
+def test_quantize_roundtrip_bound(engine, kind, rng):
+    g, shapes = CASES[kind]
+    for shape in shapes:
+        x = scaled_normal(rng, shape)
+        got = engine.quantize(x, g)
+        deq = got.dequantize()
+        scale_full = got.expanded_scale() if hasattr(got, "expanded_scale") else None
+        if scale_full is None:
+            from fp8rl.reference.quant import expand_scale
+
+            scale_full = expand_scale(got.scale, g, tuple(x.shape))
+        bound = tolerances.quant_roundtrip_bound(x.abs(), scale_full, got.fmt)
+        assert_within_bound(deq, x, bound, context=f"quantize[{kind}] round trip {shape}")

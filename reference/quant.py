@@ -1,0 +1,647 @@
+"""Scaled FP8 quantization as small, explicit steps: amax → scale → cast.
+
+A quantized tensor is ``codes`` (uint8, the FP8 bit patterns) plus ``scale``, the fp32 **dequant** multiplier:
+x ≈ decode(code) · scale. The scale is computed per tensor, token (row), output channel, 1×G group or Bm×Bn block
+(:class:`Granularity`) from the group's amax by a :class:`ScalePolicy`, which names every numerical choice engines
+make differently (engines.md §2–§7): the maximum the group is mapped to, where a floor (eps) applies, power-of-two
+rounding of the scale, how the scale and the quantized value are computed in fp32 (division, multiplication by a
+reciprocal, or by a separately computed multiplier), the clamp before the cast, what a zero amax gives, and the cast's
+overflow policy. :data:`PRESETS` holds the policies of the engines we test, each citing its source.
+
+All scale arithmetic is fp32 with IEEE round-to-nearest (torch CPU fp32 ops: division, multiplication and the
+reciprocal are correctly rounded), exactly like the engines' kernels; the FP8 cast is the bit-level encoder of
+:mod:`fp8rl.reference.formats` (round-to-nearest-even), never torch's fp8 cast.
+
+Pipeline (every formula is fp32, ``T`` = target max, ``fl`` = fp32 rounding):
+
+1. ``amax = max |x|`` over the group (:func:`compute_amax`; NaN in a group gives a NaN amax).
+2. ``amax' = max(amax, eps)`` if ``floor == "amax"``.
+3. degenerate amax (``amax' == 0``, inf or NaN) with ``zero_amax == "one"`` → scale 1 and multiplier 1.
+4. raw scale by ``scale_op``: ``fl(amax'/T)`` ("div"), ``amax'·fl(1/T)`` ("mul_recip_max") or ``fl(1/m)`` with
+   ``m = fl(T/amax')`` ("recip_multiplier").
+5. ``s = max(s, eps)`` if ``floor == "scale"`` (the floor is applied *before* power-of-two rounding, so pow2
+   policies always give powers of two).
+6. power-of-two rounding by ``pow2`` (see :func:`round_scale_pow2`).
+7. codes: ``q = x/s``, ``x·fl(1/s)`` or ``x·m`` (``quant_op``), ``clamp(q, -T, T)`` if ``clamp``, then the RNE
+   cast with the ``overflow`` policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+import torch
+from fp8rl.reference.formats import (
+    ELEMENT_FORMATS,
+    OVERFLOW_POLICIES,
+    FP8Format,
+    OverflowPolicy,
+    decode,
+    encode_codes,
+    get_format,
+)
+
+__all__ = [
+    "ACCEPTED_INPUT_DTYPES", "FLOOR_MODES", "GRANULARITY_KINDS", "Granularity", "OverflowPolicy", "POW2_MODES",
+    "PRESETS", "QUANT_OPS", "QuantizedTensor", "SCALE_OPS", "ScalePolicy", "ZERO_AMAX_MODES", "compute_amax",
+    "dequantize", "expand_scale", "get_policy", "quant_multiplier_from_amax", "quantize", "quantize_with_scale",
+    "round_scale_pow2", "scale_from_amax",
+]
+
+FLOOR_MODES: tuple[str, ...] = ("none", "amax", "scale")
+POW2_MODES: tuple[str, ...] = ("none", "ceil_log2", "ceil_bits", "floor_multiplier")
+SCALE_OPS: tuple[str, ...] = ("div", "mul_recip_max", "recip_multiplier")
+QUANT_OPS: tuple[str, ...] = ("div", "mul_recip", "mul_max_over_amax")
+ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "nan")
+GRANULARITY_KINDS: tuple[str, ...] = ("tensor", "token", "channel", "group", "block")
+#: input dtypes quantize() accepts; all are upcast to fp32 exactly
+ACCEPTED_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+_F32 = torch.float32
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale policy
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    """Every numerical choice of a dynamic scaled-FP8 quantizer (see the module docstring for the pipeline).
+
+    Fields:
+
+    * ``fmt``: element format (an entry of ``ELEMENT_FORMATS``).
+    * ``target_max`` T: the value the group's amax is mapped to; None → the format's max finite (448 for e4m3fn).
+      ROCm fnuz engines use 224. Must satisfy 0 < T ≤ max finite.
+    * ``floor``: where ``eps`` applies: ``"amax"`` (amax' = max(amax, eps)), ``"scale"`` (s = max(s, eps), before
+      pow2 rounding) or ``"none"``. ``eps`` is rounded to fp32 first, as engines pass it as a C float.
+    * ``pow2``: ``"none"``; ``"ceil_log2"`` s = 2^ceil(fl(log2 s)) with torch's fp32 log2 (vLLM torch/Triton/CUDA
+      ``exp2(ceil(log2 s))``: for s a few fp32 ulps above a power of two, fl(log2 s) rounds to the integer, so the
+      scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; engines.md §7);
+      ``"ceil_bits"`` s = 2^(e + (mantissa ≠ 0)) on the fp32 bits with the biased exponent clamped to [1, 254]
+      (DeepGEMM ``ceil_to_ue8m0``, SGLang UE8M0); ``"floor_multiplier"`` TE: the multiplier m = fl(T/amax') has its
+      mantissa bits zeroed (rounded down to a power of two) and s = 1/m (needs ``scale_op="recip_multiplier"``).
+    * ``scale_op``: ``"div"`` s = fl(amax'/T); ``"mul_recip_max"`` s = fl(amax'·fl(1/T)) (1 fp32 ulp from "div" in
+      ~49 % of groups, engines.md §7); ``"recip_multiplier"`` m = fl(T/amax'), s = fl(1/m) (verl torch, torchao,
+      TE). A multiplier that overflows fp32 (amax' < T/FLT_MAX ≈ 1.3e-36) is replaced by FLT_MAX (TE's rule).
+    * ``quant_op``: ``"div"`` q = fl(x/s); ``"mul_recip"`` q = fl(x·fl(1/s)); ``"mul_max_over_amax"`` q = fl(x·m)
+      with m = fl(T/amax') computed from the amax (SGLang JIT, TE, torchao, verl torch); for pow2 policies m = 1/s
+      exactly.
+    * ``clamp``: clamp q to ±T before the cast (NaN stays NaN).
+    * ``zero_amax``: what a zero amax gives: ``"floor"`` the floor rule (needs ``floor != "none"`` and eps > 0);
+      ``"one"`` scale 1 and multiplier 1 when amax' is 0, ±inf or NaN (TE ``compute_scale_from_amax``; verl torch
+      does it for 0 and inf only); ``"nan"`` unguarded: s = 0 and 0/0 → NaN codes (DeepSeek reference kernel,
+      vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted to store +448 instead, engines.md §2.1).
+    * ``overflow``: the cast's overflow policy for values that still overflow (no clamp, or ±inf with clamp off).
+    """
+
+    name: str
+    fmt: str = "e4m3fn"
+    target_max: float | None = None
+    floor: Literal["none", "amax", "scale"] = "amax"
+    eps: float = 1e-10
+    pow2: Literal["none", "ceil_log2", "ceil_bits", "floor_multiplier"] = "none"
+    scale_op: Literal["div", "mul_recip_max", "recip_multiplier"] = "div"
+    quant_op: Literal["div", "mul_recip", "mul_max_over_amax"] = "div"
+    clamp: bool = True
+    zero_amax: Literal["floor", "one", "nan"] = "floor"
+    overflow: OverflowPolicy = "saturate"
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
+        if self.fmt not in ELEMENT_FORMATS:
+            raise ValueError(f"fmt: expected one of {ELEMENT_FORMATS}, got {self.fmt!r}")
+        f = get_format(self.fmt)
+        if self.target_max is not None:
+            t = self.target_max
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"target_max: expected a positive finite number or None, got {t!r}")
+            if t > f.max_finite:
+                raise ValueError(f"target_max: {t} exceeds the max finite value {f.max_finite} of {self.fmt}")
+        _check_choice("floor", self.floor, FLOOR_MODES)
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (self.eps >= 0):
+            raise ValueError(f"eps: expected a number >= 0, got {self.eps!r}")
+        if not math.isfinite(self.eps):
+            raise ValueError(f"eps: expected a finite number, got {self.eps!r}")
+        _check_choice("pow2", self.pow2, POW2_MODES)
+        _check_choice("scale_op", self.scale_op, SCALE_OPS)
+        _check_choice("quant_op", self.quant_op, QUANT_OPS)
+        if not isinstance(self.clamp, bool):
+            raise ValueError(f"clamp: expected a bool, got {self.clamp!r}")
+        _check_choice("zero_amax", self.zero_amax, ZERO_AMAX_MODES)
+        _check_choice("overflow", self.overflow, OVERFLOW_POLICIES)
+        if self.overflow not in f.allowed_overflow():
+            raise ValueError(f"overflow: {self.fmt} allows {f.allowed_overflow()}, got {self.overflow!r}")
+        if self.zero_amax == "floor" and (self.floor == "none" or self.eps == 0):
+            raise ValueError("zero_amax: 'floor' needs a floor (floor != 'none' and eps > 0); use zero_amax='one' "
+                             f"or 'nan' to say what a zero amax gives (floor={self.floor!r}, eps={self.eps!r})")
+        if self.pow2 == "floor_multiplier" and self.scale_op != "recip_multiplier":
+            raise ValueError("pow2: 'floor_multiplier' rounds the multiplier T/amax, so it needs "
+                             f"scale_op='recip_multiplier', got scale_op={self.scale_op!r}")
+
+    @property
+    def format(self) -> FP8Format:
+        return get_format(self.fmt)
+
+    @property
+    def max_value(self) -> float:
+        """T: ``target_max`` or the format's max finite value."""
+        return float(self.target_max) if self.target_max is not None else self.format.max_finite
+
+    def for_format(self, fmt: str) -> ScalePolicy:
+        """The same policy for another element format (``target_max`` is kept only if the format is unchanged;
+        an overflow policy the new format lacks falls back to ``"saturate"``)."""
+        f = get_format(fmt)
+        if f.name == self.fmt:
+            return self
+        overflow = self.overflow if self.overflow in f.allowed_overflow() else "saturate"
+        return replace(self, fmt=f.name, target_max=None, overflow=overflow)
+
+
+def _p(name: str, description: str, **kw) -> ScalePolicy:
+    return ScalePolicy(name=name, description=description, **kw)
+
+
+_VLLM_MIN_SCALE = 1.0 / (448.0 * 512.0)
+
+PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
+    _p("reference", "fp8rl's default: amax floor 1e-10, s = amax/T, q = x/s, clamp, RNE-saturate (the CUDA "
+       "per_token_group_quant_fp8 formula, engines.md §2.2)",
+       floor="amax", eps=1e-10),
+    _p("vllm_cuda_group", "vLLM per_token_group_quant_fp8 CUDA kernel (csrc/quantization/w8a8/fp8/"
+       "per_token_group_quant.cu): s = max(amax,1e-10)/448, q = clamp(x/s), SATFINITE (engines.md §2.2, §6)",
+       floor="amax", eps=1e-10),
+    _p("vllm_triton_group", "vLLM per_token_group_quant_fp8 Triton fallback (model_executor/layers/quantization/"
+       "utils/fp8_utils.py): s = max(amax,1e-10)·(1/448), q = clamp(x/s) (engines.md §2.2, §7)",
+       floor="amax", eps=1e-10, scale_op="mul_recip_max"),
+    _p("vllm_native", "vLLM QuantFP8.forward_native per-tensor/per-token path (layers/quantization/"
+       "input_quant_fp8.py): s = max(amax/448, 1/(448·512)), q = clamp(x·(1/s)) (engines.md §2.1); the native *group* "
+       "path divides instead, see 'vllm_native_group'",
+       floor="scale", eps=_VLLM_MIN_SCALE, quant_op="mul_recip"),
+    _p("vllm_native_group", "vLLM QuantFP8._quantize_group_native (input_quant_fp8.py): s = max(amax/448, "
+       "1/(448·512)), q = clamp(x/s) (engines.md §2.2 'Inconsistency to test'). With use_ue8m0 vLLM rounds to a "
+       "power of two *before* this clamp, so tiny groups get the non-power-of-two scale 1/(448·512); that order is "
+       "not representable here (floors apply before pow2)",
+       floor="scale", eps=_VLLM_MIN_SCALE),
+    _p("vllm_per_token", "vLLM scaled_fp8_quant dynamic per-token CUDA (csrc/quantization/w8a8/fp8/common.cu): "
+       "s = max(amax/448, 1/(448·512)), q = clamp(x/s) (engines.md §2.1, §6)",
+       floor="scale", eps=_VLLM_MIN_SCALE),
+    _p("vllm_per_tensor_cuda", "vLLM scaled_fp8_quant dynamic per-tensor CUDA: s = amax/448 with no eps, "
+       "q = clamp(x·(1/s)); an all-zero tensor gives s = 0 and NaN here (the kernel's fminf(NaN,448) is predicted "
+       "to store +448, not verified on GPU) (engines.md §2.1)",
+       floor="none", eps=0.0, zero_amax="nan", quant_op="mul_recip"),
+    _p("vllm_ue8m0_group", "vLLM per_token_group_quant_fp8 with UE8M0 (CUDA kernel): s = 2^ceil(log2(max(amax/448, "
+       "1e-10))) via exp2f/ceilf/log2f, q = clamp(x/s) (engines.md §2.2, §7). The Triton fallback applies no "
+       "1e-10 scale floor (s ≥ 2^-42 instead of 2^-33 for all-zero groups)",
+       floor="scale", eps=1e-10, pow2="ceil_log2"),
+    _p("deepgemm_block", "DeepGEMM/vLLM per_block_cast_to_fp8 (vllm/utils/deep_gemm.py, third_party/deep_gemm/"
+       "utils/math.py): s = max(amax,1e-4)/448, q = (x·(1/s)).to(fp8) with no clamp (saturating torch cast) "
+       "(engines.md §2.3)",
+       floor="amax", eps=1e-4, quant_op="mul_recip", clamp=False),
+    _p("deepgemm_ue8m0", "DeepGEMM per_block/per_token_cast_to_fp8 with use_ue8m0: s = ceil_to_ue8m0(max(amax,1e-4)"
+       "/448) on the fp32 bits (exponent + (mantissa≠0), clamped to [1,254]), q = (x·(1/s)).to(fp8), no clamp "
+       "(engines.md §2.3, §7)",
+       floor="amax", eps=1e-4, pow2="ceil_bits", quant_op="mul_recip", clamp=False),
+    _p("verl_triton", "verl _blockwise_cast_to_fp8_kernel (verl/utils/kernel/fp8_kernel.py, default path): "
+       "s = max(amax,1e-10)/448, q = clamp(x·(1/s)) (paper.md §1.2)",
+       floor="amax", eps=1e-10, quant_op="mul_recip"),
+    _p("verl_torch", "verl _scaled_fp8_blockwise_pytorch (VERL_DISABLE_TRITON_FP8=1): m = 448/amax, m = 1 when "
+       "amax is 0 or inf, s = 1/m, q = clamp(x·m) (paper.md §1.2). verl keeps a NaN amax as NaN (here: scale 1)",
+       floor="none", eps=0.0, zero_amax="one", scale_op="recip_multiplier", quant_op="mul_max_over_amax"),
+    _p("te_blockwise_pow2", "TransformerEngine Float8BlockQuantizer (common/recipe/recipe_common.cuh "
+       "compute_scale_from_amax): amax_epsilon 0, m = 448/amax (0/inf/NaN amax → 1, inf m → FLT_MAX), mantissa "
+       "of m zeroed, scale_inv = 1/m, q = x·m, SATFINITE (engines.md §4.1)",
+       floor="amax", eps=0.0, zero_amax="one", pow2="floor_multiplier", scale_op="recip_multiplier",
+       quant_op="mul_max_over_amax"),
+    _p("sglang_group", "SGLang sglang_per_token_group_quant_fp8 JIT kernel (kernels/jit/csrc/gemm/"
+       "per_token_group_quant.cuh): amax' = max(amax,1e-10), stored s = amax'·(1/448), q = x·(448/amax') "
+       "(engines.md §3.1)",
+       floor="amax", eps=1e-10, scale_op="mul_recip_max", quant_op="mul_max_over_amax"),
+    _p("torchao", "torchao blockwise training quant (torchao/prototype/blockwise_fp8_training/kernels.py): "
+       "m = fl32(448/max(amax,1e-12)) (fp64 then fp32, identical to fp32 division), q = clamp(x·m), s = 1/m "
+       "(engines.md §5)",
+       floor="amax", eps=1e-12, scale_op="recip_multiplier", quant_op="mul_max_over_amax"),
+    _p("deepseek_ref", "DeepSeek-V3 reference act_quant / torchao fp8_blockwise_act_quant (torchao/prototype/"
+       "blockwise_fp8_inference/kernels.py): s = amax/448 with no eps (zero block → NaN), q = x/s, no clamp "
+       "(engines.md §5)",
+       floor="none", eps=0.0, zero_amax="nan", clamp=False),
+    _p("rocm_fnuz", "vLLM/SGLang dynamic group quant on ROCm gfx94x: e4m3fnuz clamped at 224 (not 240), "
+       "s = max(amax,1e-10)/224, q = clamp(x/s) (engines.md §1, §2.1)",
+       fmt="e4m3fnuz", target_max=224.0, floor="amax", eps=1e-10),
+)}
+
+
+def get_policy(name_or_policy: str | ScalePolicy) -> ScalePolicy:
+    """A preset by name (or the policy itself); ValueError lists the presets."""
+    if isinstance(name_or_policy, ScalePolicy):
+        return name_or_policy
+    if not isinstance(name_or_policy, str):
+        raise TypeError(f"policy: expected a preset name or a ScalePolicy, got {type(name_or_policy).__name__}")
+    try:
+        return PRESETS[name_or_policy]
+    except KeyError:
+        raise ValueError(f"policy: unknown preset {name_or_policy!r}; expected one of {sorted(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Granularity
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """Which elements share one scale.
+
+    ============  ======================  ============================================================
+    kind          input                   scale shape
+    ============  ======================  ============================================================
+    ``tensor``    any shape               ``(1,)``
+    ``token``     x (..., K)              ``(..., 1)``: one scale per row (per token)
+    ``channel``   w (N, K), 2-D only      ``(N, 1)``: one per output channel = row of the weight; the
+                                          same math as ``token``, named for weights
+    ``group``     x (..., K)              ``(..., ceil(K/G))``: 1×G groups along the last dim
+    ``block``     w (M, N), 2-D only      ``(ceil(M/Bm), ceil(N/Bn))``: Bm×Bn tiles
+    ============  ======================  ============================================================
+
+    Non-divisible shapes: the edge group/block holds only the real elements (its amax is over those; equivalent to
+    zero padding, what vLLM, verl and TE do). NeMo-RL pads with the tensor's last element instead, which can change
+    an edge block's amax; that is not modelled.
+    """
+
+    kind: Literal["tensor", "token", "channel", "group", "block"]
+    size: tuple[int, int] = (1, 1)
+
+    def __post_init__(self) -> None:
+        _check_choice("granularity", self.kind, GRANULARITY_KINDS)
+        size = self.size
+        if not isinstance(size, tuple) or len(size) != 2:
+            raise ValueError(f"granularity: size must be a 2-tuple of positive integers, got {size!r}")
+        for v in size:
+            if not _positive_int(v):
+                raise ValueError(f"granularity: {self.kind} size {v!r} must be a positive integer")
+        if self.kind == "group" and size[0] != 1:
+            raise ValueError(f"granularity: a group is 1×G, got size {size}")
+        object.__setattr__(self, "size", (int(size[0]), int(size[1])))
+
+    @classmethod
+    def tensor(cls) -> Granularity:
+        return cls("tensor")
+
+    @classmethod
+    def token(cls) -> Granularity:
+        return cls("token")
+
+    @classmethod
+    def channel(cls) -> Granularity:
+        return cls("channel")
+
+    @classmethod
+    def group(cls, G: int = 128) -> Granularity:
+        if not _positive_int(G):
+            raise ValueError(f"granularity: group size {G!r} must be a positive integer")
+        return cls("group", (1, int(G)))
+
+    @classmethod
+    def block(cls, B: int | tuple[int, int] = 128) -> Granularity:
+        size = (B, B) if not isinstance(B, (tuple, list)) else tuple(B)
+        if len(size) != 2 or not all(_positive_int(v) for v in size):
+            raise ValueError(f"granularity: block size {B!r} must be a positive integer or a pair of them")
+        return cls("block", (int(size[0]), int(size[1])))
+
+    @property
+    def label(self) -> str:
+        """Short name: tensor, token, channel, group128, block128x128."""
+        if self.kind == "group":
+            return f"group{self.size[1]}"
+        if self.kind == "block":
+            return f"block{self.size[0]}x{self.size[1]}"
+        return self.kind
+
+    def check_shape(self, shape: tuple[int, ...], name: str = "x") -> tuple[int, ...]:
+        """Validate an element shape for this granularity (ValueError naming ``name``)."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) == 0:
+            raise ValueError(f"{name}: expected at least a 1-D tensor for {self.kind} granularity, got a 0-d tensor")
+        if any(s == 0 for s in shape):
+            raise ValueError(f"{name}: expected a non-empty tensor, got shape {shape}")
+        if self.kind in ("channel", "block") and len(shape) != 2:
+            what = "weight (N, K)" if self.kind == "channel" else "tensor"
+            raise ValueError(f"{name}: expected a 2-D {what} for {self.kind} granularity, got shape {shape}")
+        return shape
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the scale tensor for an element tensor of ``shape``."""
+        shape = self.check_shape(shape)
+        if self.kind == "tensor":
+            return (1,)
+        if self.kind in ("token", "channel"):
+            return (*shape[:-1], 1)
+        if self.kind == "group":
+            return (*shape[:-1], -(-shape[-1] // self.size[1]))
+        bm, bn = self.size
+        return (-(-shape[0] // bm), -(-shape[1] // bn))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized tensor
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """FP8 codes plus their fp32 dequant scale: x ≈ decode(code) · scale (broadcast by the granularity)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    granularity: Granularity
+    policy: ScalePolicy
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codes, torch.Tensor) or self.codes.dtype != torch.uint8:
+            got = self.codes.dtype if isinstance(self.codes, torch.Tensor) else type(self.codes).__name__
+            raise TypeError(f"codes: expected a torch.uint8 tensor, got {got}")
+        if not isinstance(self.scale, torch.Tensor) or self.scale.dtype != _F32:
+            got = self.scale.dtype if isinstance(self.scale, torch.Tensor) else type(self.scale).__name__
+            raise TypeError(f"scale: expected a torch.float32 tensor, got {got}")
+        if not isinstance(self.granularity, Granularity):
+            raise TypeError(f"granularity: expected a Granularity, got {type(self.granularity).__name__}")
+        if not isinstance(self.policy, ScalePolicy):
+            raise TypeError(f"policy: expected a ScalePolicy, got {type(self.policy).__name__}")
+        shape = self.granularity.check_shape(tuple(self.codes.shape), "codes")
+        want = self.granularity.scale_shape(shape)
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"scale: expected shape {want} for {self.granularity.label} codes of shape {shape}, "
+                             f"got {tuple(self.scale.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    @property
+    def fmt(self) -> str:
+        return self.policy.fmt
+
+    def values(self) -> torch.Tensor:
+        """Decoded codes as fp32, unscaled (every FP8 value is exact in fp32)."""
+        return decode(self.codes.cpu(), self.fmt).reshape(self.shape)
+
+    def expanded_scale(self) -> torch.Tensor:
+        """The scale broadcast to the element shape (fp32)."""
+        return expand_scale(self.scale, self.granularity, self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """values · scale: computed exactly in fp64 (≤ 4 + 24 significant bits) then rounded once to ``dtype``."""
+        return dequantize(self, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+def _as_input(x, name: str = "x") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ACCEPTED_INPUT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    return x.detach().to("cpu", _F32)
+
+
+def _pad_to(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the trailing dims of x to ``sizes`` (only growing)."""
+    pads: list[int] = []
+    for dim_size, want in zip(reversed(x.shape[-len(sizes):]), reversed(sizes)):
+        pads += [0, want - dim_size]
+    return torch.nn.functional.pad(x, pads) if any(pads) else x
+
+
+def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """amax = max |x| over each group of ``g`` (fp32, shape ``g.scale_shape(x.shape)``).
+
+    Edge groups/blocks of non-divisible shapes use only their real elements. A NaN anywhere in a group makes its
+    amax NaN (torch's max propagates NaN). CUDA kernels reducing with ``fmaxf`` drop NaNs instead, so engines may
+    differ on NaN inputs; every such difference is reported, not hidden.
+    """
+    x = _as_input(x)
+    shape = g.check_shape(tuple(x.shape))
+    a = x.abs()
+    if g.kind == "tensor":
+        return a.amax().reshape(1)
+    if g.kind in ("token", "channel"):
+        return a.amax(dim=-1, keepdim=True)
+    if g.kind == "group":
+        gs = g.size[1]
+        n = -(-shape[-1] // gs)
+        a = _pad_to(a, (n * gs,))
+        return a.reshape(*shape[:-1], n, gs).amax(dim=-1)
+    bm, bn = g.size
+    nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
+    a = _pad_to(a, (nm * bm, nn * bn))
+    return a.reshape(nm, bm, nn, bn).amax(dim=(1, 3))
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=_F32)
+
+
+def _floored_amax(amax: torch.Tensor, policy: ScalePolicy) -> torch.Tensor:
+    amax = amax.to(_F32)
+    if policy.floor == "amax":
+        return torch.maximum(amax, _f32(policy.eps))  # propagates NaN
+    return amax
+
+
+def _degenerate(amax_f: torch.Tensor) -> torch.Tensor:
+    """amax' that zero_amax="one" maps to scale 1: zero, ±inf or NaN."""
+    return (amax_f == 0) | ~torch.isfinite(amax_f)
+
+
+def _multiplier_raw(amax_f: torch.Tensor, t: float) -> torch.Tensor:
+    """m = fl(T / amax'); an overflowing m (amax' > 0 tiny) becomes FLT_MAX (TE)."""
+    m = _f32(t) / amax_f
+    return torch.where(torch.isinf(m) & (amax_f > 0), _f32(_FLT_MAX), m)
+
+
+def _pow2_floor(m: torch.Tensor) -> torch.Tensor:
+    """Zero the mantissa bits of fp32 m: the largest power of two ≤ m (TE ``scale_bits &= 0xFF800000``)."""
+    bits = m.contiguous().view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)
+    return bits.view(_F32)
+
+
+def _exact_pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as fp32 built from the bits (k int64): normal, subnormal (k ≥ -149), 0 below, inf above 127."""
+    normal = ((k.clamp(-126, 127) + 127) << 23).to(torch.int32).view(_F32)
+    sub = (torch.ones_like(k) << (k.clamp(-149, -127) + 149)).to(torch.int32).view(_F32)
+    out = torch.where(k >= -126, normal, sub)
+    out = torch.where(k < -149, torch.zeros_like(out), out)
+    return torch.where(k > 127, torch.full_like(out, math.inf), out)
+
+
+def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
+    """Round an fp32 scale up to a power of two.
+
+    * ``ceil_log2``: 2^ceil(fl(log2 s)) with torch's fp32 log2 (the power is formed exactly). log2 rounding makes
+      scales a few ulps above 2^k give 2^k (round *down*), engines.md §7. log2(0) = -inf gives 0.
+    * ``ceil_bits``: biased exponent e of the fp32 bits, plus 1 if any mantissa bit is set, clamped to [1, 254];
+      s = 2^(e-127). Subnormal and zero scales give 2^-126; NaN/inf are passed through.
+    * ``none``: s unchanged. (``floor_multiplier`` acts on the multiplier, see :func:`scale_from_amax`.)
+    """
+    _check_choice("pow2", mode, POW2_MODES)
+    s = s.to(_F32)
+    if mode == "none":
+        return s
+    if mode == "ceil_log2":
+        k = torch.ceil(torch.log2(s))
+        finite = torch.isfinite(k)
+        p = _exact_pow2(torch.where(finite, k, torch.zeros_like(k)).to(torch.int64))
+        return torch.where(finite, p, torch.exp2(k))  # exp2(-inf) = 0, exp2(nan) = nan, exp2(inf) = inf
+    if mode == "ceil_bits":
+        bits = s.abs().contiguous().view(torch.int32).to(torch.int64)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int64)
+        out = (e.clamp(1, 254) << 23).to(torch.int32).view(_F32)
+        return torch.where(torch.isfinite(s), out, s)
+    raise ValueError("pow2: 'floor_multiplier' rounds the multiplier, not the scale; use scale_from_amax")
+
+
+def quant_multiplier_from_amax(amax: torch.Tensor, policy: ScalePolicy | str) -> torch.Tensor:
+    """The multiplier m of ``quant_op="mul_max_over_amax"`` (q = x·m), fp32, same shape as ``amax``.
+
+    m = fl(T/amax') (FLT_MAX if that overflows); with ``floor_multiplier`` its mantissa is zeroed; for
+    ``zero_amax="one"`` a degenerate amax' gives m = 1. For ``ceil_log2``/``ceil_bits`` policies m = 1/s exactly
+    (s is a power of two), which is what engines with power-of-two scales multiply by.
+    """
+    policy = get_policy(policy)
+    t = policy.max_value
+    amax_f = _floored_amax(amax, policy)
+    if policy.pow2 in ("ceil_log2", "ceil_bits"):
+        return _f32(1.0) / scale_from_amax(amax, policy)
+    m = _multiplier_raw(amax_f, t)
+    if policy.pow2 == "floor_multiplier":
+        m = _pow2_floor(m)
+    if policy.zero_amax == "one":
+        m = torch.where(_degenerate(amax_f), _f32(1.0), m)
+    return m
+
+
+def scale_from_amax(amax: torch.Tensor, policy: ScalePolicy | str) -> torch.Tensor:
+    """The fp32 dequant scale s for each amax (pipeline steps 2–6 of the module docstring).
+
+    * "div": s = fl(amax'/T);  "mul_recip_max": s = fl(amax'·fl(1/T));  "recip_multiplier": s = fl(1/m),
+      m = fl(T/amax') (with ``floor_multiplier``: m's mantissa zeroed first, so s = 1/m is exact);
+    * ``floor="scale"``: s = max(s, fl(eps)), then pow2 rounding (:func:`round_scale_pow2`);
+    * ``zero_amax="one"``: s = 1 for amax' ∈ {0, ±inf, NaN}.
+    """
+    policy = get_policy(policy)
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"amax: expected a torch.Tensor, got {type(amax).__name__}")
+    t = policy.max_value
+    amax_f = _floored_amax(amax, policy)
+    if policy.scale_op == "div":
+        s = amax_f / _f32(t)
+    elif policy.scale_op == "mul_recip_max":
+        s = amax_f * (_f32(1.0) / _f32(t))
+    else:
+        m = _multiplier_raw(amax_f, t)
+        if policy.pow2 == "floor_multiplier":
+            m = _pow2_floor(m)
+        s = _f32(1.0) / m
+    if policy.floor == "scale":
+        s = torch.maximum(s, _f32(policy.eps))
+    if policy.pow2 in ("ceil_log2", "ceil_bits"):
+        s = round_scale_pow2(s, policy.pow2)
+    if policy.zero_amax == "one":
+        s = torch.where(_degenerate(amax_f), _f32(1.0), s)
+    return s.to(_F32)
+
+
+def _expand(t: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
+    if g.kind == "tensor":
+        return t.reshape([1] * len(shape)).expand(shape)
+    if g.kind in ("token", "channel"):
+        return t.expand(shape)
+    if g.kind == "group":
+        return t.repeat_interleave(g.size[1], dim=-1)[..., : shape[-1]]
+    bm, bn = g.size
+    return t.repeat_interleave(bm, dim=0).repeat_interleave(bn, dim=1)[: shape[0], : shape[1]]
+
+
+def expand_scale(scale: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
+    """Broadcast a per-group tensor (scale, amax, multiplier) of shape ``g.scale_shape(shape)`` to ``shape``."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale: expected a torch.Tensor, got {type(scale).__name__}")
+    shape = g.check_shape(tuple(shape), "shape")
+    want = g.scale_shape(shape)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale: expected shape {want} for {g.label} over {shape}, got {tuple(scale.shape)}")
+    return _expand(scale, g, shape).contiguous()
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, policy: ScalePolicy | str = "reference",
+                        *, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 codes of x for the given dequant ``scale`` (fp32, shape ``g.scale_shape(x.shape)``).
+
+    q = fl(x/s) ("div"), fl(x·fl(1/s)) ("mul_recip") or fl(x·m) ("mul_max_over_amax", m from
+    :func:`quant_multiplier_from_amax` of ``amax``, which is recomputed from x when not given — a dynamic-quant
+    op); then clamp(q, -T, T) if ``policy.clamp``; then the RNE cast with ``policy.overflow``.
+    """
+    policy = get_policy(policy)
+    x = _as_input(x)
+    shape = g.check_shape(tuple(x.shape))
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale: expected a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != _F32:
+        raise TypeError(f"scale: expected a torch.float32 tensor, got {scale.dtype}")
+    s = expand_scale(scale.cpu(), g, shape)
+    if policy.quant_op == "div":
+        q = x / s
+    elif policy.quant_op == "mul_recip":
+        q = x * (_f32(1.0) / s)
+    else:
+        if amax is None:
+            amax = compute_amax(x, g)
+        elif tuple(amax.shape) != g.scale_shape(shape):
+            raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
+        m = quant_multiplier_from_amax(amax.to("cpu", _F32), policy)
+        q = x * _expand(m, g, shape)
+    if policy.clamp:
+        t = policy.max_value
+        q = q.clamp(-t, t)
+    codes = encode_codes(q.numpy(), policy.fmt, policy.overflow)
+    return torch.from_numpy(codes.reshape(shape))
+
+
+def quantize(x: torch.Tensor, g: Granularity, policy: ScalePolicy | str = "reference") -> QuantizedTensor:
+    """Dynamic quantization: amax per group → scale (:func:`scale_from_amax`) → codes (:func:`quantize_with_scale`).
+
+    ``x``: fp32, bf16 or fp16 tensor (upcast to fp32 exactly), non-empty, shape valid for ``g``.
+    """
+    if not isinstance(g, Granularity):
+        raise TypeError(f"granularity: expected a Granularity, got {type(g).__name__}")
+    policy = get_policy(policy)
+    x = _as_input(x)
+    amax = compute_amax(x, g)
+    scale = scale_from_amax(amax, policy)
+    codes = quantize_with_scale(x, scale, g, policy, amax=amax)
+    return QuantizedTensor(codes, scale.contiguous(), g, policy)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """decode(codes) · scale, computed in fp64 (exact: an FP8 significand has ≤ 4 bits, the scale 24) and rounded
+    once to ``dtype`` (fp32 by default; fp64 gives the exact value)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
+    vals = qt.values().to(torch.float64)
+    s = expand_scale(qt.scale.cpu(), qt.granularity, qt.shape).to(torch.float64)
+    return (vals * s).to(dtype)

@@ -1,0 +1,65 @@
+"""Terminal summary of a report (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._plots import check_label, outcomes_by_area
+from ._render import first_line
+from ._schema import OUTCOMES
+
+_STYLE = {"passed": "green", "failed": "bold red", "error": "bold red", "skipped": "dim",
+          "xfailed": "magenta", "xpassed": "bold blue"}
+_MAX_LISTED = 30
+
+
+def print_summary(report: dict, console: Any = None) -> None:
+    """Print a per-area outcome table, the verdict line and the failing checks (id + first message line).
+
+    ``console`` is a ``rich.console.Console`` (a default one on stdout when None). User strings are printed
+    as plain ``Text``, never interpreted as rich markup.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    checks, s, eng = report["checks"], report["summary"], report["engine"]
+    table = Table(title=Text(f"fp8rl {report['kind']} — {eng['name']} {eng['version']}".rstrip()), title_justify="left")
+    table.add_column("area")
+    for o in OUTCOMES:
+        table.add_column(o, justify="right", style=_STYLE[o])
+    table.add_column("total", justify="right")
+    areas = outcomes_by_area(checks)
+    for area, cnt in areas.items():
+        table.add_row(Text(area), *(str(cnt.get(o, 0)) for o in OUTCOMES), str(sum(cnt.values())))
+    table.add_section()
+    table.add_row(Text("all", style="bold"), *(str(s[o]) for o in OUTCOMES), str(s["total"]))
+    console.print(table)
+
+    ok = s["verdict"] == "conformant"
+    line = Text("verdict: ", style="bold")
+    line.append(s["verdict"].upper(), style="bold green" if ok else "bold red")
+    line.append(f"  ({s['failed']} failed, {s['error']} error, {s['skipped']} skipped, "
+                f"{s['xfailed']} xfailed, {s['xpassed']} xpassed of {s['total']}; profile {report['profile']}, "
+                f"seed {report['seed']}, {report['duration_s']:.1f} s)")
+    console.print(line)
+    if report["kind"] == "mutants":
+        muts = report.get("mutants") or []
+        killed = sum(1 for m in muts if m["killed"])
+        console.print(Text(f"mutation score: {report['mutation_score']:.1%} ({killed}/{len(muts)} killed)",
+                           style="bold"))
+        for m in muts:
+            if not m["killed"]:
+                console.print(Text(f"  survived: {m['mutant']}: {first_line(m['description'])}", style="yellow"))
+    bad = [c for c in checks if c["outcome"] in ("failed", "error", "xpassed")]
+    if bad:
+        console.print(Text("failing checks:", style="bold red"))
+        for c in bad[:_MAX_LISTED]:
+            t = Text("  ")
+            t.append(check_label(c), style="bold")
+            t.append(f" [{c['outcome']}] ", style=_STYLE[c["outcome"]])
+            t.append(first_line(c["message"]))
+            console.print(t, overflow="ellipsis", no_wrap=True)
+        if len(bad) > _MAX_LISTED:
+            console.print(Text(f"  ... and {len(bad) - _MAX_LISTED} more (see report.md)"))

@@ -1,0 +1,181 @@
+"""Schema loading, JSON normalisation and validation of fp8rl reports."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections import Counter
+from importlib import resources
+from typing import Any
+
+OUTCOMES: tuple[str, ...] = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+SCHEMA_VERSION = "1.0"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_MAX_LISTED = 8
+
+
+class ReportValidationError(ValueError):
+    """A report does not conform to report.schema.json (or is internally inconsistent).
+
+    ``errors`` lists ``"<json path>: <message>"`` strings, most relevant first.
+    """
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        shown = self.errors[:_MAX_LISTED]
+        more = len(self.errors) - len(shown)
+        lines = "\n".join(f"  - {e}" for e in shown)
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        super().__init__(f"invalid fp8rl report ({len(self.errors)} problem(s)):\n{lines}{tail}")
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_text() -> str:
+    return resources.files(__package__).joinpath("report.schema.json").read_text(encoding="utf-8")
+
+
+def schema() -> dict:
+    """The report JSON Schema (draft 2020-12), loaded from the package data ``report.schema.json``.
+
+    A fresh copy each call, so callers may mutate it.
+    """
+    return json.loads(_schema_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _validator():
+    from jsonschema import Draft202012Validator
+
+    s = schema()
+    Draft202012Validator.check_schema(s)
+    return Draft202012Validator(s)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Normalise a report (or any part) to what ``json.dumps(..., allow_nan=False)`` accepts.
+
+    numpy/torch scalars -> Python numbers, tuples -> lists, non-finite floats -> "nan" / "inf" / "-inf".
+    """
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return float(obj)
+    item = getattr(obj, "item", None)  # numpy generic / 0-d array / torch scalar tensor
+    if callable(item):
+        try:
+            return to_jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist):
+        return to_jsonable(tolist())
+    return obj  # left for the schema to reject with a path
+
+
+def as_float(v: Any) -> float | None:
+    """A metric / plot value as float (non-finite tokens decoded), None when it is not numeric."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        return _NONFINITE.get(v)
+    return None
+
+
+def _path(parts) -> str:
+    out = "$"
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def _consistency(report: dict) -> list[str]:
+    """Checks JSON Schema cannot express: summary counts agree with the checks, verdict, plot shapes."""
+    errs: list[str] = []
+    checks = report["checks"]
+    summary = report["summary"]
+    counts = Counter(c["outcome"] for c in checks)
+    for o in OUTCOMES:
+        if summary[o] != counts.get(o, 0):
+            errs.append(f"$.summary.{o}: is {summary[o]} but {counts.get(o, 0)} check(s) have outcome {o!r}")
+    if summary["total"] != len(checks):
+        errs.append(f"$.summary.total: is {summary['total']} but there are {len(checks)} check(s)")
+    if summary["verdict"] == "conformant" and (summary["failed"] or summary["error"]):
+        errs.append("$.summary.verdict: 'conformant' with failed or error checks")
+    for name, sec in (report.get("sections") or {}).items():
+        plots = sec.get("plot")
+        plots = plots if isinstance(plots, list) else ([plots] if plots is not None else [])
+        for i, p in enumerate(plots):
+            where = f"$.sections.{name}.plot" + (f"[{i}]" if isinstance(sec["plot"], list) else "")
+            for sname, ys in p["series"].items():
+                if len(ys) != len(p["x"]):
+                    errs.append(f"{where}.series.{sname}: {len(ys)} values but x has {len(p['x'])}")
+        table = sec.get("table")
+        if table is not None:
+            for i, row in enumerate(table["rows"]):
+                if len(row) != len(table["columns"]):
+                    errs.append(
+                        f"$.sections.{name}.table.rows[{i}]: {len(row)} cells but {len(table['columns'])} columns"
+                    )
+    return errs
+
+
+def _doc_order(err) -> tuple:
+    return ([(p, "") if isinstance(p, int) else (-1, str(p)) for p in err.absolute_path], str(err.validator))
+
+
+def validate(report: dict) -> dict:
+    """Validate ``report`` against report.schema.json plus consistency rules; return its JSON-normal form.
+
+    The report is first normalised with :func:`to_jsonable` (so numpy scalars and NaN/inf metrics are fine).
+    Consistency rules: summary.<outcome> equals the number of checks with that outcome, summary.total equals
+    len(checks), verdict "conformant" needs failed == error == 0, plot series have len(x) values and table
+    rows have one cell per column.
+
+    Raises :class:`ReportValidationError` listing the JSON path and message of each violation.
+    """
+    from jsonschema.exceptions import best_match
+
+    doc = to_jsonable(report)
+    # document order (path, then keyword) so "the first violations" are the first ones in the file
+    errors = sorted(_validator().iter_errors(doc), key=_doc_order)
+    if errors:
+        msgs = []
+        for e in errors:
+            best = best_match([e])  # descends into oneOf/anyOf to the most specific reason
+            msg = f"{_path(best.absolute_path)}: {best.message}"
+            if msg not in msgs:
+                msgs.append(msg)
+        raise ReportValidationError(msgs)
+    errs = _consistency(doc)
+    if errs:
+        raise ReportValidationError(errs)
+    return doc
+
+
+def summarize(checks: list[dict]) -> dict:
+    """The ``summary`` object for a list of checks (verdict: conformant iff no failed and no error check)."""
+    counts = Counter(c["outcome"] for c in checks)
+    s: dict[str, Any] = {o: counts.get(o, 0) for o in OUTCOMES}
+    s["total"] = len(checks)
+    s["verdict"] = "conformant" if s["failed"] == 0 and s["error"] == 0 else "non-conformant"
+    return s
+
+
+def load_report(path) -> dict:
+    """Read a report.json and validate it."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    return validate(doc)

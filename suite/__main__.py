@@ -1,0 +1,5 @@
+import sys
+
+from fp8rl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,288 @@
+"""Building blocks of conformance checks: the ``@check`` decorator, capability gates, guarded engines, and
+comparisons that fail with a reproduction (shapes, seed, first offending indices, expected vs got) and record
+metrics (error/bound, ULP histograms) for the report.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fp8rl import tolerances
+from fp8rl.engine import Engine, EngineError, Unsupported, capability_reason
+from fp8rl.reference.formats import decode_codes, ulp_distance
+from fp8rl.reference.quant import Granularity, QuantizedTensor
+
+# ----------------------------------------------------------------------------------------------------------------
+# check metadata
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    id: str
+    title: str
+    area: str
+    bound: str
+    requires: tuple[str, ...]
+    module: str
+    function: str
+
+
+#: every check defined (id → spec); ids are unique across the suite
+CHECKS: dict[str, CheckSpec] = {}
+
+
+def area_of_module(module: str) -> str:
+    """conformance module name → area: ``fp8rl.conformance.test_quantization`` → ``quantization``."""
+    return module.rsplit(".", 1)[-1].removeprefix("test_")
+
+
+def check(check_id: str, title: str, *, bound: str = "exact", requires: Sequence[str] = (),
+          timeout: float = 60.0) -> Callable:
+    """Declare a conformance check.
+
+    ``check_id`` is stable (e.g. ``QUANT-GROUP-003``); ``title`` is its one sentence of spec; ``bound`` names the
+    tolerance-table entry it uses (``exact`` for bit-exact checks); ``requires`` lists capability keys, which may
+    contain ``{param}`` placeholders filled from the test's parameters (e.g. ``cast.{fmt}``).
+    """
+    tolerances.get(bound)  # fail at import if the bound is not in the table
+
+    def deco(fn: Callable) -> Callable:
+        spec = CheckSpec(check_id, title, area_of_module(fn.__module__), bound, tuple(requires), fn.__module__,
+                         fn.__name__)
+        prev = CHECKS.get(check_id)
+        if prev is not None and (prev.module, prev.function) != (spec.module, spec.function):
+            raise ValueError(f"check id {check_id!r} used twice: {prev.module}.{prev.function} and "
+                             f"{spec.module}.{spec.function}")
+        CHECKS[check_id] = spec
+        fn = pytest.mark.fp8rl_check(spec=spec)(fn)
+        return pytest.mark.timeout(timeout)(fn)
+
+    return deco
+
+
+def required_capabilities(spec: CheckSpec, params: dict[str, Any]) -> list[str]:
+    out = []
+    for key in spec.requires:
+        try:
+            out.append(key.format(**params))
+        except KeyError as exc:
+            raise ValueError(f"check {spec.id}: capability {key!r} needs parameter {exc}") from None
+    return out
+
+
+def require(engine: Engine, *keys: str) -> None:
+    """Skip the running check (with the engine's reason) unless every capability in ``keys`` is available."""
+    for key in keys:
+        reason = capability_reason(engine, key)
+        if reason is not None:
+            pytest.skip(f"{key}: {reason}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# metrics recording: the plugin sets CURRENT_METRICS to a per-test dict during the call phase
+
+CURRENT_METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fp8rl_metrics", default=None)
+
+
+def record_metrics(**metrics: Any) -> None:
+    """Merge metrics into the running check's record (worst error/bound wins; histograms add up)."""
+    store = CURRENT_METRICS.get()
+    if store is None:
+        return
+    for key, value in metrics.items():
+        if key == "ulp_hist":
+            hist = store.setdefault("ulp_hist", {})
+            for k, v in value.items():
+                hist[k] = hist.get(k, 0) + int(v)
+        elif key in ("err_over_bound", "max_abs_err", "mismatch_frac", "max_ulp"):
+            value = float(value)
+            if key not in store or not (store[key] >= value):
+                store[key] = value
+        else:
+            store[key] = value
+
+
+def record_section(name: str, data: dict) -> None:
+    """Attach a report section (e.g. a table + plot spec, see fp8rl.reports) from the running check.
+
+    Sections from all checks of a run are merged into ``report["sections"]`` (later checks overwrite a name).
+    """
+    store = CURRENT_METRICS.get()
+    if store is None:
+        return
+    store.setdefault("_sections", {})[name] = data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# guarded engine: turns misbehaviour into EngineError (→ outcome "error")
+
+
+@dataclass
+class GuardedEngine:
+    """Wraps an engine; validates every op's output (type, shape, dtype, NaN) and wraps its exceptions."""
+
+    inner: Engine
+    calls: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def version(self) -> str:
+        return self.inner.version()
+
+    def capabilities(self):
+        return self.inner.capabilities()
+
+    def __getattr__(self, item: str) -> Any:
+        # ops added by later areas are guarded generically (exceptions only)
+        attr = getattr(self.inner, item)
+        if not callable(attr) or item.startswith("_"):
+            return attr
+        return lambda *a, **k: self._call(item, *a, **k)
+
+    def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(op)
+        try:
+            out = getattr(self.inner, op)(*args, **kwargs)
+        except Unsupported as exc:
+            pytest.skip(f"{op}: {exc}")
+        except (EngineError, pytest.skip.Exception):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any engine exception is an engine error
+            raise EngineError(f"{self.inner.name}.{op} raised {type(exc).__name__}: {exc}") from exc
+        if out is None:
+            raise EngineError(f"{self.inner.name}.{op} returned None")
+        return out
+
+    def cast_overflow(self, fmt: str) -> str:
+        return self._call("cast_overflow", fmt)
+
+    def scale_policy(self, kind: str):
+        return self._call("scale_policy", kind)
+
+    def cast(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        out = self._call("cast", x, fmt)
+        _expect_tensor(out, f"{self.name}.cast", shape=tuple(x.shape), dtype=torch.uint8)
+        return out
+
+    def quantize(self, x: torch.Tensor, granularity: Granularity) -> QuantizedTensor:
+        out = self._call("quantize", x, granularity)
+        op = f"{self.name}.quantize[{granularity.kind}]"
+        if not isinstance(out, QuantizedTensor):
+            raise EngineError(f"{op} returned {type(out).__name__}, expected QuantizedTensor")
+        _expect_tensor(out.codes, f"{op} codes", shape=tuple(x.shape), dtype=torch.uint8)
+        _expect_tensor(out.scale, f"{op} scale", shape=tuple(granularity.scale_shape(tuple(x.shape))),
+                       dtype=torch.float32)
+        if out.policy.zero_amax != "nan" and bool(torch.isfinite(x).all()) and not bool(torch.isfinite(out.scale).all()):
+            bad = (~torch.isfinite(out.scale)).nonzero()[:3].tolist()
+            raise EngineError(f"{op} produced non-finite scales for finite input (first at scale index {bad}); "
+                              f"declared policy {out.policy.name!r} has a floor")
+        return out
+
+    def block_gemm(self, a: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        out = self._call("block_gemm", a, w, out_dtype)
+        m, n = a.codes.shape[0], w.codes.shape[0]
+        _expect_tensor(out, f"{self.name}.block_gemm", shape=(m, n), dtype=out_dtype)
+        if not bool(torch.isfinite(out.float()).all()):
+            inputs_finite = all(bool(torch.isfinite(t.dequantize()).all()) for t in (a, w))
+            if inputs_finite:
+                bad = (~torch.isfinite(out.float())).nonzero()[:3].tolist()
+                raise EngineError(f"{self.name}.block_gemm returned non-finite values for finite inputs "
+                                  f"(first at {bad})")
+        return out
+
+
+def _expect_tensor(t: Any, what: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise EngineError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise EngineError(f"{what}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise EngineError(f"{what}: expected dtype {dtype}, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparisons with reproductions
+
+
+def _fmt_index(idx: tuple[int, ...]) -> str:
+    return "(" + ",".join(str(i) for i in idx) + ")"
+
+
+def _offenders(mask: np.ndarray, limit: int = 5) -> list[tuple[int, ...]]:
+    return [tuple(int(i) for i in ix) for ix in np.argwhere(mask)[:limit]]
+
+
+def assert_codes_equal(got: torch.Tensor, expected: torch.Tensor, fmt: str, *, context: str,
+                       inputs: torch.Tensor | None = None) -> None:
+    """Bit-exact comparison of FP8 code tensors; records the ULP histogram; fails with a reproduction."""
+    g = got.cpu().numpy().astype(np.uint8)
+    e = expected.cpu().numpy().astype(np.uint8)
+    if g.shape != e.shape:
+        raise AssertionError(f"{context}: code shape {g.shape} != expected {e.shape}")
+    d = ulp_distance(g, e, fmt)
+    diff = g != e
+    # NaN codes with different payload/sign compare as different codes on purpose: the format fixes the code.
+    n = int(diff.sum())
+    hist = {"0": int((d == 0).sum()), "1": int((d == 1).sum()), ">=2": int((d >= 2).sum()), "nan": int((d < 0).sum())}
+    record_metrics(ulp_hist=hist, mismatch_frac=n / max(g.size, 1), max_ulp=float(d.max()) if d.size else 0.0)
+    if n:
+        lines = [f"{context}: {n}/{g.size} codes differ ({fmt}); shape {g.shape}; first offending:"]
+        gv, ev = decode_codes(g, fmt), decode_codes(e, fmt)
+        xs = inputs.detach().cpu().float().numpy() if inputs is not None else None
+        for ix in _offenders(diff):
+            x_txt = f" x={xs[ix]!r}" if xs is not None else ""
+            lines.append(f"  at {_fmt_index(ix)}:{x_txt} expected 0x{e[ix]:02x} ({ev[ix]!r}) got 0x{g[ix]:02x} "
+                         f"({gv[ix]!r}), {d[ix]} ulp")
+        raise AssertionError("\n".join(lines))
+
+
+def assert_tensors_equal(got: torch.Tensor, expected: torch.Tensor, *, context: str) -> None:
+    """Bit-exact comparison of float tensors (NaN == NaN); fails with a reproduction."""
+    g = got.detach().cpu().double().numpy()
+    e = expected.detach().cpu().double().numpy()
+    if g.shape != e.shape:
+        raise AssertionError(f"{context}: shape {g.shape} != expected {e.shape}")
+    same = (g == e) | (np.isnan(g) & np.isnan(e))
+    bad = ~same
+    record_metrics(mismatch_frac=float(bad.mean()) if bad.size else 0.0)
+    if bad.any():
+        lines = [f"{context}: {int(bad.sum())}/{g.size} values differ; shape {g.shape}; first offending:"]
+        for ix in _offenders(bad):
+            lines.append(f"  at {_fmt_index(ix)}: expected {e[ix]!r} got {g[ix]!r}")
+        raise AssertionError("\n".join(lines))
+
+
+def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | float, *,
+                        context: str) -> None:
+    """|got − expected| ≤ bound elementwise (fp64); records max error and max error/bound; fails with a repro."""
+    g = got.detach().cpu().double()
+    e = expected.detach().cpu().double()
+    b = torch.as_tensor(bound, dtype=torch.float64).expand_as(e) if not isinstance(bound, torch.Tensor) else \
+        bound.detach().cpu().double().expand_as(e)
+    if g.shape != e.shape:
+        raise AssertionError(f"{context}: shape {tuple(g.shape)} != expected {tuple(e.shape)}")
+    err = (g - e).abs()
+    both_nan = torch.isnan(g) & torch.isnan(e)
+    err = torch.where(both_nan, torch.zeros_like(err), err)
+    err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    ratio = torch.where(b > 0, err / b, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    record_metrics(max_abs_err=float(err.max()) if err.numel() else 0.0, err_over_bound=worst)
+    bad = (err > b).numpy()
+    if bad.any():
+        en, gn, bn, errn = e.numpy(), g.numpy(), b.numpy(), err.numpy()
+        lines = [f"{context}: {int(bad.sum())}/{bad.size} elements exceed the bound (worst error/bound {worst:.3g}); "
+                 f"shape {tuple(e.shape)}; first offending:"]
+        for ix in _offenders(bad):
+            lines.append(f"  at {_fmt_index(ix)}: expected {en[ix]!r} got {gn[ix]!r} |err| {errn[ix]:.3e} > "
+                         f"bound {bn[ix]:.3e}")
+        raise AssertionError("\n".join(lines))

@@ -1,0 +1,269 @@
+"""``fp8rl`` command line.
+
+Exit codes: 0 conformant / all mutants killed; 1 non-conformant / a mutant survived; 2 usage or engine-load error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+PROFILE_CHOICES = ("ci", "full", "nightly")
+
+
+def _console() -> Console:
+    return Console(stderr=False, highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def cmd_engines(args: argparse.Namespace) -> int:
+    from fp8rl.registry import EngineLoadError, available_engines, load_engine
+
+    console = _console()
+    rows = []
+    names = [n for n, src in available_engines().items() if src != "mutant"] if not args.names else args.names
+    for name in names:
+        try:
+            eng = load_engine(name)
+            rows.append({"name": name, "version": eng.version(), "description": getattr(eng, "description", ""),
+                         "capabilities": {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}})
+        except EngineLoadError as exc:
+            rows.append({"name": name, "version": "-", "description": "", "capabilities": {}, "error": str(exc)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for row in rows:
+        table = Table(title=f"{row['name']}  ({row['version']})", title_justify="left", show_lines=False)
+        table.add_column("capability")
+        table.add_column("status")
+        if "error" in row:
+            table.add_row("load", f"[red]{row['error']}[/red]")
+        for key, status in sorted(row["capabilities"].items()):
+            table.add_row(key, "[green]available[/green]" if status is True else f"[yellow]no:[/yellow] {status}")
+        console.print(table)
+        if row["description"]:
+            console.print(f"  {row['description']}\n")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def _run(engines: list[str], args: argparse.Namespace, out: Path, profile: str) -> int:
+    from fp8rl.runner import pytest_args, run_pytest
+
+    pa = pytest_args(engines, profile=profile, out_dir=out, seed=args.seed, xfails=getattr(args, "xfails", None),
+                     skips=getattr(args, "skips", None), areas=args.area, keyword=args.k, workers=args.workers)
+    return run_pytest(pa)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from fp8rl.registry import EngineLoadError, load_engine
+    from fp8rl.reports import print_summary
+    from fp8rl.runner import load_report, vendor_file
+
+    console = _console()
+    try:
+        eng = load_engine(args.engine)
+    except EngineLoadError as exc:
+        console.print(f"[red]fp8rl: {exc}[/red]")
+        return EXIT_USAGE
+    if args.xfails is None:
+        vf = vendor_file(eng.name, "xfails")
+        if vf is not None:
+            args.xfails = str(vf)
+            console.print(f"fp8rl: using the packaged vendor xfails file {vf}")
+    for opt in ("xfails", "skips"):
+        path = getattr(args, opt)
+        if path and not Path(path).is_file():
+            console.print(f"[red]fp8rl: --{opt}: file {path!r} does not exist[/red]")
+            return EXIT_USAGE
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = out / "report.json"
+    if stale.exists():
+        stale.unlink()
+    t0 = time.perf_counter()
+    code = _run([args.engine], args, out, args.profile)
+    wall = time.perf_counter() - t0
+    if code in (2, 3, 4) and not stale.exists():
+        console.print(f"[red]fp8rl: pytest exited with {code} (interrupted/internal/usage error); no report[/red]")
+        return EXIT_USAGE
+    if not stale.exists():
+        console.print(f"[red]fp8rl: no report was written to {out} (pytest exit {code})[/red]")
+        return EXIT_USAGE
+    report = load_report(stale)
+    if report["summary"]["total"] == 0:
+        console.print("[red]fp8rl: no checks ran (selection matched nothing)[/red]")
+        return EXIT_USAGE
+    print_summary(report, console=console)
+    console.print(f"wall time {wall:.1f} s; report: {out}/report.json, report.html, report.md, junit.xml")
+    return EXIT_OK if report["summary"]["verdict"] == "conformant" else EXIT_FAIL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from fp8rl.mutants import MUTANTS
+    from fp8rl.reports import write_report
+    from fp8rl.runner import SCHEMA_VERSION, engine_dir, load_report
+
+    console = _console()
+    names = args.only or sorted(MUTANTS)
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        console.print(f"[red]fp8rl: unknown mutants {unknown}; known: {sorted(MUTANTS)}[/red]")
+        return EXIT_USAGE
+    if args.list:
+        for n in names:
+            console.print(f"{n:32s} [{MUTANTS[n].area}] {MUTANTS[n].description}")
+        return EXIT_OK
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engines = [f"mutant:{n}" for n in names]
+    t0 = time.perf_counter()
+    code = _run(engines, args, out, "mutants")
+    wall = time.perf_counter() - t0
+    rows = []
+    per_check_kills: dict[str, int] = {}
+    for n, e in zip(names, engines):
+        path = engine_dir(out, e) / "report.json"
+        if not path.exists():
+            console.print(f"[red]fp8rl: no report for {e} (pytest exit {code})[/red]")
+            return EXIT_USAGE
+        rep = load_report(path)
+        killers = sorted({c["id"] for c in rep["checks"] if c["outcome"] in ("failed", "error")})
+        for cid in killers:
+            per_check_kills[cid] = per_check_kills.get(cid, 0) + 1
+        rows.append({"mutant": n, "description": MUTANTS[n].description, "area": MUTANTS[n].area,
+                     "killed": bool(killers), "killed_by": killers})
+    killed = sum(r["killed"] for r in rows)
+    score = killed / len(rows) if rows else 0.0
+    (out / "mutants.json").write_text(json.dumps(rows, indent=2))
+    summary_report = {
+        "schema_version": SCHEMA_VERSION, "suite": {"name": "fp8rl", "version": _version()}, "kind": "mutants",
+        "engine": {"name": "mutants", "version": _version(), "capabilities": {}},
+        "environment": rep["environment"], "profile": "mutants", "seed": args.seed,
+        "started_at": rep["started_at"], "duration_s": round(wall, 3), "command": sys.argv,
+        "summary": {"passed": killed, "failed": len(rows) - killed, "error": 0, "skipped": 0, "xfailed": 0,
+                    "xpassed": 0, "total": len(rows), "verdict": "conformant" if killed == len(rows) else
+                    "non-conformant"},
+        "checks": [], "mutants": rows, "mutation_score": score,
+        "sections": {"check_kill_counts": per_check_kills},
+    }
+    write_report(summary_report, out)
+    table = Table(title=f"mutation score {killed}/{len(rows)} = {100 * score:.0f}%  ({wall:.1f} s)",
+                  title_justify="left")
+    for col in ("mutant", "area", "killed", "killed by"):
+        table.add_column(col)
+    for r in rows:
+        kb = ", ".join(r["killed_by"][:4]) + (" …" if len(r["killed_by"]) > 4 else "")
+        table.add_row(r["mutant"], r["area"], "[green]yes[/green]" if r["killed"] else "[red]SURVIVED[/red]", kb)
+    console.print(table)
+    console.print(f"mutants.json and report.* written to {out}")
+    return EXIT_OK if killed == len(rows) else EXIT_FAIL
+
+
+def cmd_checks(args: argparse.Namespace) -> int:
+    import importlib
+    import pkgutil
+
+    import fp8rl.conformance as conf
+    from fp8rl import tolerances
+    from fp8rl.checks import CHECKS
+
+    for mod in pkgutil.iter_modules(conf.__path__):
+        if mod.name.startswith("test_"):
+            importlib.import_module(f"fp8rl.conformance.{mod.name}")
+    rows = sorted(CHECKS.values(), key=lambda c: (c.area, c.id))
+    if args.json:
+        print(json.dumps([{"id": c.id, "area": c.area, "title": c.title, "bound": c.bound,
+                           "bound_derivation": tolerances.get(c.bound).derivation, "requires": list(c.requires)}
+                          for c in rows], indent=2))
+        return EXIT_OK
+    table = Table(title=f"{len(rows)} conformance checks", title_justify="left")
+    for col in ("id", "area", "bound", "spec"):
+        table.add_column(col)
+    for c in rows:
+        table.add_row(c.id, c.area, c.bound, c.title)
+    _console().print(table)
+    return EXIT_OK
+
+
+def _version() -> str:
+    import fp8rl
+
+    return fp8rl.__version__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fp8rl", description="FP8 rollout numerics: conformance, mutants, perf")
+    p.add_argument("--version", action="version", version=f"fp8rl {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("engines", help="list engines, versions and capabilities (with reasons)")
+    e.add_argument("names", nargs="*", help="engines to show (default: built-ins and entry points)")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_engines)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--seed", type=int, default=0, help="seed of the fixed-case random inputs (default 0)")
+        sp.add_argument("--area", action="append", default=None,
+                        help="only this area (formats, quantization, gemm, ...); repeatable")
+        sp.add_argument("-k", default=None, help="pytest -k expression to select checks")
+        sp.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers")
+
+    c = sub.add_parser("conformance", help="run the conformance checks against an engine")
+    c.add_argument("--engine", default="torch", help="built-in name, entry point or pkg.module:factory (default torch)")
+    c.add_argument("--profile", default="ci", choices=PROFILE_CHOICES)
+    c.add_argument("--out", default="fp8rl-report", help="report directory (default ./fp8rl-report)")
+    c.add_argument("--xfails", default=None, help="vendor xfails file (default: the packaged one for the engine)")
+    c.add_argument("--skips", default=None, help="vendor skips file")
+    common(c)
+    c.set_defaults(func=cmd_conformance)
+
+    m = sub.add_parser("mutants", help="run the suite against every fault-injected engine")
+    m.add_argument("--out", default="fp8rl-mutants", help="output directory (default ./fp8rl-mutants)")
+    m.add_argument("--only", action="append", default=None, help="only this mutant (repeatable)")
+    m.add_argument("--list", action="store_true", help="list mutants and exit")
+    common(m)
+    m.set_defaults(func=cmd_mutants)
+
+    k = sub.add_parser("checks", help="list every conformance check with its spec sentence and bound")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_checks)
+
+    # commands contributed by other areas: each module defines register(subparsers) (KV drift, perf, ...)
+    import importlib
+
+    for module in EXTRA_COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.register(sub)
+    return p
+
+
+#: modules that add subcommands (imported only if present in this installation)
+EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.correction_cli", "fp8rl.perf.cli")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

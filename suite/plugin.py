@@ -1,0 +1,310 @@
+"""pytest plugin (entry point ``pytest11: fp8rl``): runs the conformance checks against an engine and reports.
+
+Options: ``--fp8rl-engine NAME`` (repeatable: several engines are run side by side, one fixture instance per
+engine and xdist worker), ``--fp8rl-profile {ci,full,nightly,mutants}``, ``--fp8rl-xfails FILE``,
+``--fp8rl-skips FILE``, ``--fp8rl-seed N``, ``--fp8rl-report-dir DIR``.
+
+The plugin is inert for test items that are not fp8rl checks, so having fp8rl installed does not change anybody
+else's pytest run. Outcomes: an assertion failure is ``failed``; an engine that raises, returns the wrong
+shape/dtype/None/NaN or times out is ``error``; missing capabilities are ``skipped`` with the engine's reason.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fp8rl.checks import CURRENT_METRICS, CheckSpec
+from fp8rl.engine import EngineError
+
+PROFILES = {"ci": "ci", "full": "dev", "nightly": "nightly", "mutants": "mutants"}
+DEFAULT_ENGINE = "reference"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fp8rl", "fp8rl conformance")
+    group.addoption("--fp8rl-engine", action="append", default=None, metavar="NAME",
+                    help="engine under test: built-in name, mutant:<name>, entry point, or pkg.module:factory "
+                         "(repeatable)")
+    group.addoption("--fp8rl-profile", default=None, choices=sorted(PROFILES),
+                    help="check depth: ci (derandomized, fast), full, nightly (10x examples), mutants (no shrink)")
+    group.addoption("--fp8rl-xfails", default=None, metavar="FILE", help="vendor xfails file (id prefix # reason)")
+    group.addoption("--fp8rl-skips", default=None, metavar="FILE", help="vendor skips file (id prefix # reason)")
+    group.addoption("--fp8rl-seed", default=0, type=int, help="seed of the fixed-case random inputs")
+    group.addoption("--fp8rl-report-dir", default=None, metavar="DIR", help="write report.json/junit/md/html here")
+    group.addoption("--fp8rl-timeout", default=None, type=float, metavar="S",
+                    help="override every check's timeout (seconds); a check that runs longer is an error")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fp8rl_check(spec): an fp8rl conformance check (set by @check)")
+    profile = config.getoption("--fp8rl-profile")
+    if profile:
+        from fp8rl import strategies
+
+        strategies.register_profiles()
+        strategies.load_profile(PROFILES[profile])
+    config._fp8rl_state = _RunState(config)  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vendor xfail / skip files
+
+
+def parse_id_file(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """Parse a vendor file: one check-id prefix per line, then ``# reason``. Blank/comment lines are ignored.
+
+    A line without a reason is an error: every xfail/skip must say why.
+    """
+    entries = []
+    p = Path(path)
+    if not p.is_file():
+        raise pytest.UsageError(f"fp8rl: id file {str(p)!r} does not exist")
+    for lineno, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        prefix, sep, reason = line.partition("#")
+        prefix, reason = prefix.strip(), reason.strip()
+        if not sep or not reason:
+            raise pytest.UsageError(f"fp8rl: {p}:{lineno}: entry {prefix!r} has no '# reason'")
+        entries.append((prefix, reason))
+    return entries
+
+
+def _item_spec(item: pytest.Item) -> CheckSpec | None:
+    mark = item.get_closest_marker("fp8rl_check")
+    return mark.kwargs["spec"] if mark else None
+
+
+def _matches(prefix: str, spec: CheckSpec, item: pytest.Item) -> bool:
+    return spec.id.startswith(prefix) or item.nodeid.startswith(prefix) or f"{spec.id}[{_case(item)}]".startswith(prefix)
+
+
+def _case(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return callspec.id if callspec is not None else ""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    checks = [(it, _item_spec(it)) for it in items]
+    checks = [(it, s) for it, s in checks if s is not None]
+    if not checks:
+        return
+    state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
+    for opt, marker in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
+        path = config.getoption(opt)
+        if not path:
+            continue
+        for prefix, reason in parse_id_file(path):
+            hit = False
+            for it, spec in checks:
+                if _matches(prefix, spec, it):
+                    hit = True
+                    if marker == "xfail":
+                        it.add_marker(pytest.mark.xfail(reason=f"vendor xfail: {reason}", strict=False))
+                    else:
+                        it.add_marker(pytest.mark.skip(reason=f"vendor skip: {reason}"))
+            if not hit:
+                msg = f"fp8rl: {opt[8:]} entry {prefix!r} matches no collected check (stale entry?)"
+                warnings.warn(msg, stacklevel=1)
+                state.warnings.append(msg)
+    timeout = config.getoption("--fp8rl-timeout")
+    for it, spec in checks:
+        if timeout:
+            it.add_marker(pytest.mark.timeout(timeout), append=False)
+        it.user_properties.append(("fp8rl_check", {"id": spec.id, "area": spec.area, "title": spec.title,
+                                                   "bound": spec.bound, "case": _case(it)}))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# engines: parametrize the `engine` fixture over every --fp8rl-engine given
+
+
+def engine_names(config: pytest.Config) -> list[str]:
+    return config.getoption("--fp8rl-engine") or [DEFAULT_ENGINE]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "engine" in metafunc.fixturenames and metafunc.definition.get_closest_marker("fp8rl_check"):
+        names = engine_names(metafunc.config)
+        if len(names) > 1:
+            metafunc.parametrize("engine_name", names, scope="session", ids=[f"engine={n}" for n in names])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# outcome classification and metrics
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if _item_spec(item) is None:
+        yield
+        return
+    metrics: dict = {}
+    token = CURRENT_METRICS.set(metrics)
+    try:
+        yield
+    finally:
+        CURRENT_METRICS.reset(token)
+        if metrics:
+            item.user_properties.append(("fp8rl_metrics", metrics))
+
+
+def _is_engine_error(exc: BaseException) -> bool:
+    if isinstance(exc, EngineError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_engine_error(e) or not isinstance(e, AssertionError) for e in exc.exceptions)
+    if isinstance(exc, AssertionError):
+        return False
+    if isinstance(exc, pytest.fail.Exception):
+        return "Timeout" in str(exc)
+    return True  # any other exception inside a check (engine or harness) is an error, not a verdict
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if _item_spec(item) is None or call.excinfo is None or call.when != "call":
+        return
+    if report.failed and _is_engine_error(call.excinfo.value):
+        report.user_properties.append(("fp8rl_outcome", "error"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# collecting results and writing the report
+
+
+class _RunState:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: dict[str, dict[str, Any]] = {}
+        self.started = time.time()
+        self.started_at = datetime.now(timezone.utc).isoformat()
+        self.warnings: list[str] = []
+
+    def record(self, report: pytest.TestReport) -> None:
+        props = dict(report.user_properties)
+        meta = props.get("fp8rl_check")
+        if meta is None:
+            return
+        entry = self.results.setdefault(report.nodeid, {
+            **meta, "nodeid": report.nodeid, "outcome": "passed", "message": "", "duration_s": 0.0,
+            "metrics": {}, "engine": _engine_of(report.nodeid, self.config)})
+        entry["duration_s"] += float(report.duration)
+        if "fp8rl_metrics" in props:
+            metrics = dict(props["fp8rl_metrics"])
+            entry["sections"] = metrics.pop("_sections", {})
+            entry["metrics"] = metrics
+        wasxfail = getattr(report, "wasxfail", None)
+        if report.when == "setup":
+            if report.skipped:
+                entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
+            elif report.failed:
+                entry["outcome"], entry["message"] = "error", _message(report)
+        elif report.when == "call":
+            if report.skipped and wasxfail is not None:
+                entry["outcome"], entry["message"] = "xfailed", f"{wasxfail}\n{_message(report)}".strip()
+            elif report.skipped:
+                entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
+            elif report.passed and wasxfail is not None:
+                entry["outcome"], entry["message"] = "xpassed", str(wasxfail)
+            elif report.failed:
+                entry["outcome"] = props.get("fp8rl_outcome", "failed")
+                entry["message"] = _message(report)
+        elif report.when == "teardown" and report.failed and entry["outcome"] == "passed":
+            entry["outcome"], entry["message"] = "error", _message(report)
+
+
+def _engine_of(nodeid: str, config: pytest.Config) -> str:
+    names = engine_names(config)
+    if len(names) == 1:
+        return names[0]
+    for n in names:
+        if f"engine={n}" in nodeid:
+            return n
+    return names[0]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    lr = report.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2]).removeprefix("Skipped: ")
+    return str(lr)
+
+
+def _message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = report.longreprtext or ""
+    # keep the assertion message (our repro) and the tail of the traceback, bounded in size
+    if crash is not None and crash.message:
+        msg = crash.message
+        if len(msg) < 200 and "\nE   " in text:
+            msg = "\n".join(line[4:] for line in text.splitlines() if line.startswith("E   "))
+        return msg[:4000]
+    return text[-4000:]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    state = _STATE.get("state")
+    if state is not None:
+        state.record(report)
+
+
+_STATE: dict[str, _RunState] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _STATE["state"] = session.config._fp8rl_state  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):  # xdist worker: the controller writes the report
+        return
+    state: _RunState | None = _STATE.pop("state", None)
+    out_dir = config.getoption("--fp8rl-report-dir")
+    if state is None or not out_dir:
+        return
+    from fp8rl.runner import build_report, write_results
+
+    report = build_report(state.results, engines=engine_names(config),
+                          profile=config.getoption("--fp8rl-profile") or "ci",
+                          seed=config.getoption("--fp8rl-seed"), started_at=state.started_at,
+                          duration_s=time.time() - state.started, command=sys.argv,
+                          warnings=state.warnings)
+    write_results(report, Path(out_dir))
+
+
+def environment() -> dict[str, str]:
+    """Python/torch/numpy/platform/device facts recorded in every report."""
+    import numpy
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = "cpu"
+    if torch.cuda.is_available():
+        device = f"cuda: {torch.cuda.get_device_name()}"
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "platform": platform.platform(), "device": device, "cpu": cpu, "cpu_count": str(os.cpu_count())}
+
+
+__all__ = ["PROFILES", "asdict", "engine_names", "environment", "parse_id_file"]

@@ -1,0 +1,58 @@
+"""Misbehaving engines for the harness tests (loaded by ``module:factory``)."""
+
+import time
+
+import torch
+from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference.quant import QuantizedTensor
+
+
+class Raises(ReferenceEngine):
+    name = "raises"
+
+    def cast(self, x, fmt):
+        raise RuntimeError("kernel exploded")
+
+
+class WrongShape(ReferenceEngine):
+    name = "wrong-shape"
+
+    def cast(self, x, fmt):
+        return super().cast(x, fmt).reshape(-1)[:-1]
+
+
+class WrongDtype(ReferenceEngine):
+    name = "wrong-dtype"
+
+    def cast(self, x, fmt):
+        return super().cast(x, fmt).to(torch.int32)
+
+
+class ReturnsNone(ReferenceEngine):
+    name = "returns-none"
+
+    def cast(self, x, fmt):
+        return None
+
+
+class NanScale(ReferenceEngine):
+    name = "nan-scale"
+
+    def quantize(self, x, granularity):
+        q = super().quantize(x, granularity)
+        return QuantizedTensor(q.codes, torch.full_like(q.scale, float("nan")), granularity, q.policy)
+
+
+class Hangs(ReferenceEngine):
+    name = "hangs"
+
+    def cast(self, x, fmt):
+        time.sleep(3600)
+
+
+def not_an_engine():
+    return object()
+
+
+def factory_raises():
+    raise RuntimeError("cannot open device")
