@@ -30,7 +30,9 @@ def seed(request: pytest.FixtureRequest) -> int:
     callspec = getattr(request.node, "callspec", None)
     params = {k: v for k, v in (callspec.params.items() if callspec else ()) if k != "engine_name"}
     key = f"{request.node.module.__name__}::{request.node.originalname}::{sorted(params.items())!r}"
-    return (base * 1_000_003 + zlib.crc32(key.encode())) % 2**31
+    value = (base * 1_000_003 + zlib.crc32(key.encode())) % 2**31
+    request.node.user_properties.append(("fp8rl_seed", value))  # reported with failures, for reproduction
+    return value
 
 
 @pytest.fixture
@@ -41,3 +43,34 @@ def rng(seed: int) -> np.random.Generator:
 @pytest.fixture
 def torch_gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _prune_mutant_matrix(request: pytest.FixtureRequest) -> None:
+    """In ``fp8rl mutants`` runs, skip a check for a mutant that overrides none of the engine methods the check
+    calls: a deterministic mutant then returns exactly the reference engine's answers, and the reference engine
+    is conformant (asserted by the suite's own tests). Checks whose capabilities are not in CAPABILITY_OPS, and
+    mutants that override ``__init__`` (e.g. change declared policies), are never pruned."""
+    if request.config.getoption("--fp8rl-profile") != "mutants":
+        return
+    spec = getattr(request.node.get_closest_marker("fp8rl_check"), "kwargs", {}).get("spec")
+    name = request.getfixturevalue("engine_name")
+    if spec is None or not name.startswith("mutant:") or not spec.requires:
+        return
+    from fp8rl.checks import required_capabilities
+    from fp8rl.engine import CAPABILITY_OPS
+    from fp8rl.engines.reference import ReferenceEngine
+
+    cls = type(request.getfixturevalue("engine").inner)
+    if not issubclass(cls, ReferenceEngine) or cls.__init__ is not ReferenceEngine.__init__:
+        return
+    callspec = getattr(request.node, "callspec", None)
+    caps = required_capabilities(spec, dict(callspec.params) if callspec else {})
+    methods: set[str] = set()
+    for cap in caps:
+        prefix = cap.split(".", 1)[0]
+        if prefix not in CAPABILITY_OPS:
+            return
+        methods.update(CAPABILITY_OPS[prefix])
+    if all(getattr(cls, m, None) is getattr(ReferenceEngine, m, None) for m in methods):
+        pytest.skip(f"not exercised: {name} overrides none of {sorted(methods)} (reference answers)")

@@ -8,6 +8,7 @@ import torch
 from fp8rl.checks import assert_codes_equal, check
 from fp8rl.engine import ELEMENT_FORMATS
 from fp8rl.reference.formats import encode, get_format
+from fp8rl.strategies import fp32_near_fp8
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,8 +54,10 @@ def test_cast_random_exact(engine, fmt, rng):
 @check("CAST-PROP-001", "For any fp32 input (hypothesis: subnormals, huge values, ±inf and NaN included) the cast "
        "gives exactly the oracle's codes, elementwise and for any tensor shape.", requires=["cast.{fmt}"])
 def test_cast_property_exact(engine, fmt):
-    @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
-                    min_size=1, max_size=64),
+    values = st.one_of(fp32_near_fp8(fmt, allow_nan=True, allow_inf=True),
+                       st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True))
+
+    @given(st.lists(values, min_size=1, max_size=64),
            st.sampled_from([(-1,), (1, -1), (-1, 1)]))
     def inner(values, shape):
         x = torch.tensor(values, dtype=torch.float32).reshape(shape)

@@ -109,7 +109,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 def cmd_mutants(args: argparse.Namespace) -> int:
     from fp8rl.mutants import MUTANTS
-    from fp8rl.reports import write_report
+    from fp8rl.reports import summarize, write_report
     from fp8rl.runner import SCHEMA_VERSION, engine_dir, load_report
 
     console = _console()
@@ -144,16 +144,21 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     killed = sum(r["killed"] for r in rows)
     score = killed / len(rows) if rows else 0.0
     (out / "mutants.json").write_text(json.dumps(rows, indent=2))
+    mutant_checks = [{
+        "id": "MUTANT-" + r["mutant"].upper().replace("_", "-"), "area": r["area"], "title": r["description"],
+        "nodeid": f"mutant:{r['mutant']}", "case": "", "outcome": "passed" if r["killed"] else "failed",
+        "message": ("killed by " + ", ".join(r["killed_by"])) if r["killed"] else "SURVIVED: no check failed",
+        "duration_s": 0.0, "bound": None, "metrics": {"killed_by": len(r["killed_by"])},
+    } for r in rows]
     summary_report = {
         "schema_version": SCHEMA_VERSION, "suite": {"name": "fp8rl", "version": _version()}, "kind": "mutants",
         "engine": {"name": "mutants", "version": _version(), "capabilities": {}},
         "environment": rep["environment"], "profile": "mutants", "seed": args.seed,
         "started_at": rep["started_at"], "duration_s": round(wall, 3), "command": sys.argv,
-        "summary": {"passed": killed, "failed": len(rows) - killed, "error": 0, "skipped": 0, "xfailed": 0,
-                    "xpassed": 0, "total": len(rows), "verdict": "conformant" if killed == len(rows) else
-                    "non-conformant"},
-        "checks": [], "mutants": rows, "mutation_score": score,
-        "sections": {"check_kill_counts": per_check_kills},
+        "summary": summarize(mutant_checks), "checks": mutant_checks, "mutants": rows, "mutation_score": score,
+        "sections": {"check_kill_counts": {"title": "mutants killed per check", "table": {
+            "columns": ["check", "mutants killed"],
+            "rows": [[cid, n] for cid, n in sorted(per_check_kills.items())]}}},
     }
     write_report(summary_report, out)
     table = Table(title=f"mutation score {killed}/{len(rows)} = {100 * score:.0f}%  ({wall:.1f} s)",

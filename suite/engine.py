@@ -39,6 +39,16 @@ QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
 GEMM_KINDS = ("block", "tensor", "row")
 
 
+#: capability-key prefix → the engine methods a check needing that capability calls. Used to prune the mutant
+#: matrix: a deterministic mutant that overrides none of a check's methods returns the reference's answers for it.
+#: Areas add their prefixes here; a prefix missing from this map is never pruned.
+CAPABILITY_OPS: dict[str, tuple[str, ...]] = {
+    "cast": ("cast", "cast_overflow"),
+    "quantize": ("quantize", "scale_policy"),
+    "gemm": ("block_gemm",),
+}
+
+
 class Unsupported(Exception):
     """Raised by an engine op for an input it cannot handle by design (the check is skipped with the message)."""
 
@@ -86,12 +96,143 @@ class Engine:
         raise Unsupported(f"{self.name} has no block_gemm op")
 
     # -- area kv: KV-cache ops (BEGIN kv section; only the KV area edits between these markers) ----------------
+    # Types live in fp8rl.reference.kv: KVPolicy, KVCache, KVScales, KVForward, MissingKVScales. Tensors are
+    # "BTHD": K/V [..., T, H, D], Q [B, Tq, Hq, D]. Capabilities: kv.store, kv.attention, kv.calibrate,
+    # kv.update_scales (the last also gates kv_forward, the model-level path whose scales change per RL step).
+    def kv_policy(self, fmt: str, layout: str) -> Any:
+        """Declared numerics (a ``KVPolicy``) of the FP8 KV cache in element format ``fmt`` ("e4m3fn", "e5m2")
+        with scale ``layout`` ("tensor", "head", "token_head"): quant op (x/s or x·fl32(1/s)), clamp, overflow,
+        token-head scale floor, and how FP8 attention quantizes Q. Raise Unsupported for combinations the
+        engine does not implement (the checks for them are skipped with the message)."""
+        raise Unsupported(f"{self.name} declares no FP8 KV cache")
+
+    def kv_store(self, x: torch.Tensor, scale: torch.Tensor | None, *, fmt: str, layout: str) -> Any:
+        """Quantize-on-store of K or V ``x`` [..., T, H, D] (fp32) → ``KVCache(codes uint8 x.shape, scale fp32)``.
+
+        ``scale``: the dequant scale, shape () for layout "tensor" and (H,) for "head"; None for "token_head",
+        where the engine computes s = max(fl32(amax_D / max), floor) per (token, head) and returns it. Codes:
+        RNE(clamp(x / s)) (or x·fl32(1/s)) under the declared ``kv_policy(fmt, layout)``.
+        """
+        raise Unsupported(f"{self.name} has no kv_store op")
+
+    def kv_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, *, q_scale: torch.Tensor | None = None,
+                     causal: bool = True, q_lengths: torch.Tensor | None = None,
+                     kv_lengths: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+        """FP8 attention over caches (``KVCache`` of [B, Tk, Hkv, D]) → fp32 [B, Tq, Hq, D].
+
+        K and V are dequantized from the caches; Q is quantized per tensor with ``q_scale`` (the declared
+        ``q_fmt``/``q_quant_op``) when given, else used in fp32. GQA: query head h reads KV head h // (Hq/Hkv).
+        ``q_lengths``/``kv_lengths`` [B] give each sequence's valid queries/keys (cache slots beyond kv_len hold
+        garbage and must never be read); causal masking is bottom-right aligned (query i sees key j iff
+        j ≤ i + kv_len − q_len); rows of padded queries are 0; sm_scale defaults to 1/√D.
+        """
+        raise Unsupported(f"{self.name} has no kv_attention op")
+
+    def kv_calibrate(self, captures: Any, strategy: str, *, layout: str = "tensor", fmt: str = "e4m3fn") -> Any:
+        """Q/K/V scales (``KVScales``) from captured post-RoPE activations ``captures[rank][micro_batch] =
+        (q, k, v)`` with a named strategy: "engine_first_batch" (A, vLLM first batch amax / (200, 200, 100)),
+        "trainer_p999" (B, NeMo-RL 1.05·p99.9 of micro-batch amaxes / 448, max over ranks) or "amax"
+        (C, amax / max; per KV head for layout "head"). See fp8rl.reference.kv for the exact formulas."""
+        raise Unsupported(f"{self.name} has no kv_calibrate op")
+
+    def kv_update_scales(self, layer: int | str, scales: Any) -> str:
+        """After a weight update: install new ``KVScales`` for ``layer`` (trainer-side push; returns "pushed"),
+        or with ``scales=None`` reset the layer so that its next ``kv_forward`` recalibrates engine-side with
+        strategy A on that batch and then freezes the scales (verl's per-step reset; returns "pending")."""
+        raise Unsupported(f"{self.name} has no kv_update_scales op")
+
+    def kv_forward(self, layer: int | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fmt: str,
+                   layout: str = "tensor", causal: bool = True, q_lengths: torch.Tensor | None = None,
+                   kv_lengths: torch.Tensor | None = None, sm_scale: float | None = None) -> Any:
+        """One layer's FP8 KV path with the layer's *current* scales (the RL rollout path): store K/V, run FP8
+        attention (Q quantized when the policy says so) and return ``KVForward(out, k_cache, v_cache, scales)``
+        with the scales actually used. A layer with no scales ever set must not silently use 1.0: raise
+        ``MissingKVScales`` (or calibrate engine-side)."""
+        raise Unsupported(f"{self.name} has no kv_forward op")
+
     # -- END kv section -----------------------------------------------------------------------------------------
 
     # -- area correction: rollout-correction ops (BEGIN correction section) -------------------------------------
+    #: Capability keys of this area:
+    #:   ``rollout_correction``           :meth:`rollout_correction` with rollout_is None/"token"/"sequence", TIS
+    #:                                    and IcePop thresholds, batch normalization, the 11 RS options
+    #:   ``rollout_correction.geometric`` rollout_is="geometric" (geometric-mean sequence weight)
+    #:   ``rollout_correction.veto``      the historical rollout_token_veto_threshold
+    #:   ``rollout_correction.loss``      :meth:`correction_loss`
+    def rollout_correction(self, train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                           config: Any) -> Any:
+        """Rollout correction for one batch: IS weights, rejection-sampling mask and mismatch metrics.
+
+        ``train_logp`` / ``rollout_logp``: (B, T) log-probs of the sampled tokens under the trainer's policy
+        (π_train, veRL's ``old_log_prob``) and the rollout engine's (π_rollout); ``mask``: (B, T) 0/1 response
+        mask (values at mask 0 may be −inf/NaN and must not matter); ``config``: a
+        :class:`fp8rl.reference.correction.CorrectionConfig` (already validated).
+
+        Returns a :class:`fp8rl.reference.correction.CorrectionResult`: ``weights`` (B, T) in the input dtype,
+        detached, 0 on padding, or None when ``config.rollout_is`` is None; ``mask`` (B, T), the input mask with
+        rejected tokens zeroed, in the input mask's dtype; ``metrics``: the suite's canonical metric names (see
+        :func:`fp8rl.reference.correction.rollout_correction`) — an engine may omit metrics it does not compute
+        (checks on an omitted metric are skipped). Must raise ``ValueError`` for an all-zero mask or mismatched
+        shapes.
+        """
+        raise Unsupported(f"{self.name} has no rollout_correction op")
+
+    def correction_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, weights: torch.Tensor | None, config: Any) -> torch.Tensor:
+        """Scalar policy loss with the per-token loss multiplied by the IS weights (treated as constants).
+
+        ``config``: a :class:`fp8rl.reference.correction.LossConfig` (PPO-clip with dual clip, or REINFORCE;
+        token-mean / seq-mean-token-mean / seq-mean-token-sum aggregation over ``mask``). The result must be
+        differentiable with respect to ``logp``.
+        """
+        raise Unsupported(f"{self.name} has no correction_loss op")
+
     # -- END correction section ---------------------------------------------------------------------------------
 
     # -- area weight_sync / e2e: weight-sync and rollout ops (BEGIN e2e section) ----------------------------------
+    # Capability keys: ``weight_sync`` (:meth:`weight_sync`); ``rollout`` (:meth:`rollout_init`, :meth:`rollout`,
+    # :meth:`update_weights`); ``rollout.<recipe>`` per numerics recipe: ``bf16``, ``fp8-linear`` (W8A8 blockwise
+    # linear layers: 128×128 weights, dynamic 1×128 activations), ``fp8-kv`` (FP8 e4m3fn KV cache, per-tensor
+    # per-layer scales, storage only), ``fp8-all`` (both, plus an FP8 query: FP8 attention). Models are given as an
+    # HF config dict and a BF16 state dict with HF *checkpoint* names (MoE experts unfused:
+    # ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), e.g. ``fp8rl.fixtures.tiny_model(name)``.
+    # Oracles: fp8rl.reference.weight_sync and fp8rl.reference.rollout.
+    def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
+        """The tensors this engine's per-step weight sync loads, for a BF16 checkpoint-named ``state_dict``.
+
+        Quantized weights (q/k/v/o_proj, gate/up/down_proj, dense or per expert): ``name`` → FP8 tensor
+        (``torch.float8_e4m3fn``) of the weight's shape, plus ``name + "_scale_inv"`` → fp32 **dequant** scales of
+        shape (⌈N/128⌉, ⌈K/128⌉) (128×128 blocks, DeepSeek/vLLM convention), quantized with the engine's declared
+        ``scale_policy("block")`` after a cast to BF16. Everything else — embeddings, ``lm_head``, every norm, the
+        MoE router ``mlp.gate`` — is returned unchanged in BF16. No other keys.
+        """
+        raise Unsupported(f"{self.name} has no weight_sync op")
+
+    def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
+        """Start a rollout policy: the model of HF ``config`` (dict) with BF16 ``state_dict`` under numerics
+        ``recipe`` (see the capability keys above; FP8-linear recipes quantize through the engine's own weight
+        sync). Returns an opaque handle for :meth:`rollout` and :meth:`update_weights`. KV scales (FP8 KV recipes)
+        are calibrated by the engine on the first batch it runs (or are otherwise correct for the weights)."""
+        raise Unsupported(f"{self.name} has no rollout op")
+
+    def rollout(self, handle: Any, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
+                seed: int = 0) -> Any:
+        """Fixed-length generation from ``prompts`` (B, P) int64 (no padding; EOS ignored): greedy (argmax) or
+        sampled at temperature 1 from the full distribution (no top-k/top-p), seeded by ``seed``.
+
+        Returns ``(tokens, logprobs)`` (a tuple or ``fp8rl.reference.rollout.RolloutOutput``): tokens (B, P + N)
+        int64 starting with the prompts, and logprobs (B, N) float32 = log π_rollout(token) of each generated token
+        under the engine's own numerics (what a rollout engine reports as the rollout log-probs, vLLM
+        ``logprobs=0``).
+        """
+        raise Unsupported(f"{self.name} has no rollout op")
+
+    def update_weights(self, handle: Any, state_dict: Any) -> Any:
+        """Load new BF16 weights into a running policy (the per-RL-step sync; re-quantized for FP8 linears) and
+        return the handle to use from now on. Later rollouts must follow the new weights, and FP8 KV scales must be
+        recalibrated for them (or pushed): scales from the old weights are stale."""
+        raise Unsupported(f"{self.name} has no update_weights op")
+
     # -- END e2e section ----------------------------------------------------------------------------------------
 
     # -- helpers ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fp8rl-skips", default=None, metavar="FILE", help="vendor skips file (id prefix # reason)")
     group.addoption("--fp8rl-seed", default=0, type=int, help="seed of the fixed-case random inputs")
     group.addoption("--fp8rl-report-dir", default=None, metavar="DIR", help="write report.json/junit/md/html here")
+    group.addoption("--fp8rl-gpu-per-worker", action="store_true",
+                    help="under pytest-xdist, pin each worker to one GPU (CUDA_VISIBLE_DEVICES = worker mod #GPUs)")
     group.addoption("--fp8rl-timeout", default=None, type=float, metavar="S",
                     help="override every check's timeout (seconds); a check that runs longer is an error")
 
 
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else the devices ``nvidia-smi -L`` lists."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_for_worker(worker_id: str, gpus: list[str]) -> str | None:
+    """xdist worker id ("gw3") → the GPU it is pinned to (round robin), or None without GPUs."""
+    if not gpus or not worker_id.startswith("gw"):
+        return None
+    return gpus[int(worker_id[2:]) % len(gpus)]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fp8rl_check(spec): an fp8rl conformance check (set by @check)")
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker and config.getoption("--fp8rl-gpu-per-worker"):
+        gpu = gpu_for_worker(worker, visible_gpus())
+        if gpu is not None:  # before any engine touches CUDA in this worker
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     profile = config.getoption("--fp8rl-profile")
     if profile:
         from fp8rl import strategies
@@ -190,7 +218,7 @@ class _RunState:
         self.config = config
         self.results: dict[str, dict[str, Any]] = {}
         self.started = time.time()
-        self.started_at = datetime.now(timezone.utc).isoformat()
+        self.started_at = datetime.now(UTC).isoformat()
         self.warnings: list[str] = []
 
     def record(self, report: pytest.TestReport) -> None:
@@ -222,6 +250,9 @@ class _RunState:
             elif report.failed:
                 entry["outcome"] = props.get("fp8rl_outcome", "failed")
                 entry["message"] = _message(report)
+                if "fp8rl_seed" in props:
+                    entry["message"] += (f"\n[reproduce: seed {props['fp8rl_seed']} (run seed "
+                                         f"{self.config.getoption('--fp8rl-seed')}); pytest {report.nodeid}]")
         elif report.when == "teardown" and report.failed and entry["outcome"] == "passed":
             entry["outcome"], entry["message"] = "error", _message(report)
 

@@ -161,34 +161,34 @@ def fp8_edge_values(fmt: str, *, allow_nan: bool = False, allow_inf: bool = Fals
     return st.sampled_from(_edge_list(get_format(fmt).name, allow_nan, allow_inf, target_max))
 
 
+@cache
+def _near_pool(fmt: str, cap: float) -> tuple[float, ...]:
+    """fp32 values where FP8 rounding decides, |v| ≤ cap: FP8 values ±1 fp32 ulp, midpoints ±1/±2 fp32 ulps."""
+    vals: set[float] = set()
+    for v in _positive_values(fmt):
+        vals.update((v, _next32(v, np.inf), _next32(v, 0.0)))
+    for m in _midpoints(fmt):
+        up1, dn1 = _next32(m, np.inf), _next32(m, 0.0)
+        vals.update((m, up1, dn1, _next32(up1, np.inf), _next32(dn1, 0.0)))
+    vals.update(v for v in _edge_list(fmt, False, False, None) if v > 0)
+    pos = sorted(v for v in vals if 0 < v <= cap)
+    return tuple([0.0, -0.0] + _signed(pos))
+
+
 def fp32_near_fp8(fmt: str, *, allow_nan: bool = False, allow_inf: bool = False,
                   max_magnitude: float | None = None) -> st.SearchStrategy[float]:
-    """fp32 values concentrated where FP8 rounding decides: exact FP8 values and their fp32 neighbours, exact
-    midpoints and their ±1/±2 fp32-ulp neighbours, edge values, and plain fp32 floats in ±2·max (subnormals
-    included). ``max_magnitude`` caps |value| (for inputs that must stay in range)."""
+    """fp32 values concentrated where FP8 rounding decides: exact FP8 values and their ±1 fp32-ulp neighbours,
+    exact midpoints (ties) and their ±1/±2 fp32-ulp neighbours, the edge values of :func:`fp8_edge_values`, and
+    plain fp32 floats in ±2·max (subnormals included). ``max_magnitude`` caps |value| (default: no cap beyond the
+    edge values, which reach fp32 max)."""
     f = get_format(fmt)
-    cap = float(max_magnitude) if max_magnitude is not None else 2 * f.max_finite
-
-    def nudge(v: float, k: int) -> float:
-        out = v
-        for _ in range(abs(k)):
-            out = _next32(out, np.inf if k > 0 else -np.inf)
-        return out
-
-    nudges = st.sampled_from([-2, -1, 1, 2])
-    parts = [
-        fp8_values(fmt),
-        fp8_midpoints(fmt),
-        st.builds(nudge, fp8_midpoints(fmt), nudges),
-        st.builds(nudge, fp8_values(fmt), nudges),
-        fp8_edge_values(fmt, allow_nan=allow_nan, allow_inf=allow_inf),
-        st.floats(min_value=-cap, max_value=cap, width=32, allow_subnormal=True),
-    ]
-
-    def within(v: float) -> bool:
-        return v != v or abs(v) == float("inf") or abs(v) <= cap
-
-    return st.one_of(parts).filter(within) if max_magnitude is not None else st.one_of(parts)
+    cap = float(max_magnitude) if max_magnitude is not None else float(np.finfo(np.float32).max)
+    plain = min(cap, 2 * f.max_finite)
+    parts = [st.sampled_from(_near_pool(f.name, cap)), st.floats(-plain, plain, width=32, allow_subnormal=True)]
+    special = ([float("inf"), float("-inf")] if allow_inf else []) + ([float("nan")] if allow_nan else [])
+    if special:
+        parts.append(st.sampled_from(special))
+    return st.one_of(parts)
 
 
 def scales() -> st.SearchStrategy[float]:

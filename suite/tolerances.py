@@ -146,7 +146,11 @@ QUANT_ROUNDTRIP = _register(
     "bound at T. Plus the fp32 slack 'quant_roundtrip_fp32_slack' (the arithmetic before the cast and the fp32 "
     "rounding of the dequantized value):  bound = max(2^-(m+1)·min(|x|, T·s), ½·min_sub·s) + max(0, |x| − T·s) "
     "+ 8·u32·(|x| + ½·min_sub·s). Holds for every ScalePolicy preset (any scale_op/quant_op/pow2) and any s > 0 "
-    "given with quantize_with_scale, for finite x.",
+    "given with quantize_with_scale, for finite x, under three preconditions: (a) s is a normal fp32 number or a "
+    "power of two (a subnormal non-pow2 scale, reachable only without an amax floor for amax < 448·2^-126 — e.g. "
+    "verl torch path, s = fl(1/m) — loses relative accuracy in s itself); (b) values beyond T are clamped or "
+    "saturated (clamp=True, or overflow='saturate' with T = max finite); (c) the dequantized value is taken exactly "
+    "(fp64) or does not overflow fp32 (|x| ≈ FLT_MAX can round up to 2^128 = inf in an fp32 dequant).",
 )
 
 
@@ -267,3 +271,229 @@ def fp64_gemm_agreement_bound(sum_abs_products, k: int):
 
     s = torch.as_tensor(sum_abs_products).to(torch.float64)
     return FP64_GEMM_AGREEMENT.value * gamma(int(k) + 3, UNIT_ROUNDOFF["float64"]) * s * eval_slack(int(k))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout correction
+
+
+CORR_EXP_ULPS = _register(
+    "corr_exp_ulps",
+    2,
+    "Maximal error, in units of the unit roundoff u, of the engine's exp() of an fp32 argument (value: 2): glibc "
+    "expf and PyTorch's vectorized CPU/CUDA exp are within 1 ulp (≤ 2u relative); the 2 covers a 1-ulp library "
+    "plus the rounding of its result. Used by every bound below.",
+)
+
+CORR_WEIGHT = _register(
+    "corr_weight",
+    CORR_EXP_ULPS.value,
+    "IS weights of an engine computing in the log-probs' dtype (u = its unit roundoff) vs the float64 oracle "
+    "(elementwise relative bound: corr_weight_rel_bound; value: the exp ulps). Inputs are exact in that dtype. "
+    "(1) log weight: a token's δ = fl(lo − lr) has |Δδ| ≤ u·|δ|; a row sum of n such terms in any order has "
+    "|ΔS| ≤ γ_n(u)·Σ_t|δ_t| (Higham eq. 4.4 with the n subtraction roundings); a row mean adds one division: "
+    "≤ γ_{n+1}(u)·Σ_t|δ_t|/n. Call this E. (2) the ±20 clamp and min(·, U) are monotone and 1-Lipschitz in log "
+    "space, so they do not increase E; U itself is rounded to the dtype (+u). (3) exp adds ≤ 2u relative "
+    "(corr_exp_ulps). So |ŵ/w − 1| ≤ e^E·(1+2u)·(1+u) − 1. (4) batch normalization divides by μ̂, a mean of ≤ N "
+    "positive weights (token level) or of B row means of ≤ T tokens (sequence level): |μ̂/μ − 1| ≤ r + "
+    "γ_{N+B+2}(u)·(1+r) with r the weight bound, and the division adds u. IcePop keeps/zeroes a weight by "
+    "comparing it to lo/hi: within the relative bound of a threshold the decision is ambiguous and either "
+    "outcome is accepted.",
+)
+
+
+def corr_weight_rel_bound(log_err, n_norm: int | None = None, dtype="float32"):
+    """Elementwise relative bound on IS weights (``TOLERANCES['corr_weight']``).
+
+    ``log_err``: bound on the engine's absolute error in the log weight per element (u·|δ| for token weights,
+    γ_n(u)·Σ|δ| for a row sum, see the derivation); ``n_norm``: N + B + 2 when the weights are batch-normalized,
+    else None. Returns an fp64 tensor of relative bounds.
+    """
+    import torch
+
+    u = UNIT_ROUNDOFF[_dtype_name(dtype)]
+    e = torch.as_tensor(log_err, dtype=torch.float64)
+    r = torch.exp(e) * (1 + CORR_EXP_ULPS.value * u) * (1 + u) - 1
+    if n_norm is not None:
+        g = gamma(int(n_norm), u)
+        r_mu = r + g * (1 + r)
+        r = (1 + r) * (1 + r_mu) / (1 - r_mu) * (1 + u) - 1
+    return r * eval_slack(0)
+
+
+CORR_STAT = _register(
+    "corr_stat",
+    8,
+    "Rejection-sampling statistics (k1 = δs, k2 = ½δs², k3 = e^δs − 1 − δs on δs = clamp(δ, ±20)) computed in "
+    "the log-probs' dtype vs the float64 oracle: the absolute error per token is ≤ c·u·A_t with A_t = |δ|·(1+|δ|) "
+    "for k1/k2 (δ's rounding u·|δ| propagated through ½δ², plus 2 roundings) and A_t = (e^δs + 1 + |δ|)·(2+|δ|) "
+    "for k3 (exp's 2u and δ's u·|δ| amplified by e^δs, plus two subtractions), c = 8 (value) covering the ≤ 4 "
+    "roundings per token with room. Row sums add γ_n(u)·Σ|k|; row means add one more rounding; row max takes the "
+    "max error. The threshold is rounded to the dtype (u·|thr|). Decisions within this bound of a threshold are "
+    "ambiguous and either outcome is accepted; every other keep/reject decision must equal the oracle's.",
+)
+
+CORR_METRIC = _register(
+    "corr_metric",
+    8,
+    "Scalar mismatch metrics (KL k1/k3, perplexities, χ², ppl ratio, IS means/ESS, prob-space diffs) computed "
+    "in the log-probs' dtype (u) vs the float64 oracle: each metric is an aggregation (means over ≤ N tokens and "
+    "≤ B rows, at most 2 levels) of terms built from ≤ 4 exp/arith operations on δ, lo, lr. An operation on an "
+    "argument with absolute error ε_a ≤ u·L (L = max over valid tokens of |lo| + |lr| + 2|δ|, the largest "
+    "exp argument) contributes relative error ≤ (L+2)·u; the aggregation of terms of magnitude M (the same "
+    "aggregation of the absolute values of the terms' parts, i.e. before cancellation) adds γ_{N+B+8}(u)·M. "
+    "Bound (corr_metric_bound): (γ_{N+B+8}(u) + 8·(L+2)·u)·M + the fraction slack (ambiguous decisions / count, "
+    "for the fraction metrics). Value: the 8 (roundings per term, with room).",
+)
+
+
+def corr_metric_bound(magnitude: float, n_terms: int, max_log: float, dtype="float32") -> float:
+    """Absolute bound on a scalar correction metric (``TOLERANCES['corr_metric']``)."""
+    u = UNIT_ROUNDOFF[_dtype_name(dtype)]
+    rel = gamma(int(n_terms) + 8, u) + CORR_METRIC.value * (float(max_log) + 2) * u
+    return rel * abs(float(magnitude)) * eval_slack(int(n_terms))
+
+
+CORR_LOSS = _register(
+    "corr_loss",
+    16,
+    "Policy loss with IS weights (PPO-clip with dual clip, REINFORCE) computed in the log-probs' dtype vs the "
+    "float64 oracle, and its gradient w.r.t. log π: per token ≤ 6 roundings (ratio exp of an argument with error "
+    "u·|Δ|, clip, products with A and w, the dual-clip min) — relative ≤ (6 + |logp − old|)·u per term — then an "
+    "aggregation over ≤ N tokens (γ_{N+2}). Bound: (γ_{N+2}(u) + 16·(1 + L)·u)·M where M is the aggregation of "
+    "|per-token loss| (or |gradient|) and L the max |logp − old|, |logp|; value 16 = the per-term rounding "
+    "count with room for the weight's own bound.",
+)
+
+
+def corr_loss_bound(magnitude: float, n_terms: int, max_log: float, dtype="float32") -> float:
+    """Absolute bound on a policy loss or a gradient element (``TOLERANCES['corr_loss']``)."""
+    u = UNIT_ROUNDOFF[_dtype_name(dtype)]
+    return (gamma(int(n_terms) + 2, u) + CORR_LOSS.value * (1 + float(max_log)) * u) * abs(float(magnitude)) \
+        * eval_slack(int(n_terms))
+
+
+CORR_KL_STAT_Z = _register(
+    "corr_kl_stat_z",
+    4.0,
+    "Statistical check of the k1/k3 KL estimators: with n i.i.d. tokens sampled from a known categorical "
+    "π_rollout and per-token estimator values X_i (k1: log π_rollout − log π_train; k3: ρ − 1 − log ρ), the "
+    "sample mean is within z·σ̂/√n of the true KL(π_rollout‖π_train) except with probability ≤ 2·(1 − Φ(z)) "
+    "(CLT; σ̂ the exact standard deviation of X under π_rollout, computed from the distributions). z = 4 "
+    "(value) gives a false-alarm rate ≤ 6.3e-5 per comparison; with a fixed seed the check is deterministic. "
+    "n is derived so that the CI half-width z·σ/√n is ≤ 10% of the KL (n = ⌈(10·z·σ/KL)²⌉, capped), which "
+    "leaves a biased estimator (e.g. the wrong-sign k3, bias ≥ 50% of KL on the test distributions) outside.",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache
+
+
+KV_EXP_ULPS = _register(
+    "kv_exp_ulps",
+    4,
+    "Relative error of the exp() inside an engine's softmax, in units of u (value: 4): PyTorch's CPU flash "
+    "attention uses Vectorized::exp_u20 (a 2-ulp polynomial on AVX-512/AVX2/NEON; Sleef u10 elsewhere), CUDA "
+    "kernels __expf/exp2f (≤ 2 ulp); 2 ulp ≤ 4u relative. Used by kv_attention_arith_bound.",
+)
+
+KV_ATTENTION_ARITH = _register(
+    "kv_attention_arith",
+    KV_EXP_ULPS.value,
+    "Engine FP8 attention vs the oracle's FP8 attention on the *same* FP8 operands (K̂, V̂ from the caches, Q̂ "
+    "quantized under the declared q policy), i.e. the engine's floating-point arithmetic only (value: the exp "
+    "ulps; elementwise function kv_attention_arith_bound). Standard model with unit roundoff u of the compute "
+    "dtype plus 2^-53 for the fp64 oracle. (1) Scores: sm·q̂·k̂ with D products, D−1 additions and ≤ 3 "
+    "roundings of the scale (SDPA multiplies q and k by √sm each): |ŝ_ij − s_ij| ≤ e_i := γ_{D+4}(u)·max_j "
+    "sm·Σ_d|q̂_id||k̂_jd| (+ (D+4)·η_min for gradual underflow). (2) Softmax: subtracting the row max rounds "
+    "|ŝ − m̂| ≤ span_i + 2e_i with relative u, so each exp argument is off by ≤ η_i := e_i + u·(span_i + 2e_i); "
+    "exp adds c_exp·u ('kv_exp_ulps'), the row sum γ_{Tk}, the normalisation 2u, and online-softmax block "
+    "rescaling (flash kernels) ≤ (c_exp+3)·u per block, ≤ Tk blocks. A common shift cancels in the ratio, so "
+    "p̂_j/p_j ∈ [e^{−2η}, e^{2η}]·(1 ± γ_{(c_exp+3)·Tk + 2c_exp + 8}(u)): |p̂_j/p_j − 1| ≤ R_i. (3) Output "
+    "Σ_j p̂_j v̂_jd in any order: γ_{Tk+2}(u) more. Hence |ô_id − o_id| ≤ ((1+R_i)(1+γ_{Tk+2}(u)) − 1)·Σ_j p_ij "
+    "|v̂_jd| + (Tk+2)·η_min, inflated by eval_slack. Padded query rows must be exactly 0. Tight (≈1e-5 relative "
+    "for Tk = 64): wrong scales, an ignored q_scale, a mis-mapped GQA head or a read past kv_len are far outside.",
+)
+
+
+def kv_attention_arith_bound(score_abs_max, score_span, weighted_abs_v, head_dim: int, n_keys: int,
+                             dtype="float32"):
+    """Elementwise bound on |engine FP8 attention − oracle FP8 attention| (``TOLERANCES['kv_attention_arith']``).
+
+    ``score_abs_max``, ``score_span``: [B, H, Tq] (max_j sm·Σ|q̂||k̂| and max_j s − min_j s over allowed keys);
+    ``weighted_abs_v``: [B, Tq, H, D] (Σ_j p_j|v̂_jd|); see fp8rl.reference.kv.attention_bound_terms. Returns fp64
+    [B, Tq, H, D].
+    """
+    import torch
+
+    name = _dtype_name(dtype)
+    u = UNIT_ROUNDOFF[name] + UNIT_ROUNDOFF["float64"]
+    eta_min = MIN_SUBNORMAL[name]
+    d, tk = int(head_dim), int(n_keys)
+    c_exp = int(KV_EXP_ULPS.value)
+    a = torch.as_tensor(score_abs_max, dtype=torch.float64)
+    span = torch.as_tensor(score_span, dtype=torch.float64)
+    w = torch.as_tensor(weighted_abs_v, dtype=torch.float64)
+    e = gamma(d + 4, u) * a + (d + 4) * eta_min
+    eta = e + u * (span + 2 * e)
+    r = torch.exp(2 * eta) * (1 + gamma((c_exp + 3) * tk + 2 * c_exp + 8, u)) - 1
+    r = r.permute(0, 2, 1).unsqueeze(-1)
+    total = ((1 + r) * (1 + gamma(tk + 2, u)) - 1) * w + (tk + 2) * eta_min
+    return total * eval_slack(tk + d)
+
+
+KV_ATTENTION_QUANT = _register(
+    "kv_attention_quant",
+    2,
+    "Derived (rigorous, worst-case) bound on FP8 attention vs the unquantized attention, for operands stored "
+    "in range (|x/s| ≤ max, no clipping); elementwise function kv_attention_quant_bound; value: the 2 in "
+    "e^{2ε}. With |Δq|, |Δk|, |Δv| ≤ the half-ulp bounds δ = max(2^-(m+1)|x|, ½·min_sub·s) of each store "
+    "(fp8rl.reference.kv.half_ulp_bound): q̂·k̂ − q·k = Δq·k + q̂·Δk, so every score moves by ≤ ε_i := max_j "
+    "sm·Σ_d(δq_d|k_jd| + (|q_d| + δq_d)δk_jd); a softmax with all logits moved by ≤ ε has p̂_j/p_j ∈ "
+    "[e^{−2ε}, e^{2ε}], so with P = e^{2ε} − 1: |ô_d − o_d| = |Σ_j p_j(r_j v̂_jd − v_jd)| ≤ P·Σ_j p_j|v_jd| + "
+    "(1+P)·Σ_j p_j δv_jd (p exact). Plus 2·γ_{D+Tk+16}(2^-53) of the two fp64 evaluations. Guaranteed but loose "
+    "(worst-case rounding alignment, ~10–100× the typical error): it is the envelope FP8 rounding alone can "
+    "explain; clipping by stale scales leaves it (tests/test_reference_kv.py checks both directions).",
+)
+
+
+def kv_attention_quant_bound(eps, pv, pdv, head_dim: int, n_keys: int):
+    """Elementwise bound on |FP8 attention − unquantized attention| (``TOLERANCES['kv_attention_quant']``).
+
+    ``eps`` [B, H, Tq], ``pv``/``pdv`` [B, Tq, H, D] from fp8rl.reference.kv.quantization_bound_terms.
+    """
+    import torch
+
+    e = torch.as_tensor(eps, dtype=torch.float64).permute(0, 2, 1).unsqueeze(-1)
+    p = torch.exp(KV_ATTENTION_QUANT.value * e) - 1
+    pv_ = torch.as_tensor(pv, dtype=torch.float64)
+    pdv_ = torch.as_tensor(pdv, dtype=torch.float64)
+    g = 2 * gamma(int(head_dim) + int(n_keys) + 16, UNIT_ROUNDOFF["float64"])
+    return (p * pv_ + (1 + p) * pdv_ + g * (1 + p) * (pv_ + pdv_)) * eval_slack(int(n_keys))
+
+
+KV_ATTENTION_VS_FRESH = _register(
+    "kv_attention_vs_fresh",
+    2.0,
+    "Empirically justified factor κ_attn: with in-range scales, the relative Frobenius error ‖ô − o‖/‖o‖ of FP8 "
+    "attention vs the unquantized attention stays within κ_attn × the error obtained with *fresh* scales "
+    "(amax/max of the same data, per tensor). Why a ratio: FP8's relative precision is the same in every "
+    "normal binade, so any scale that keeps values in range (and out of the subnormals) gives the same error up "
+    "to the rounding realisation; scales that clip the largest |x| (stale scales after the ranges grew) blow it "
+    "up. Measured (tests/test_reference_kv.py::test_rescaled_in_range_error_ratio_stat reproduces it): 120 "
+    "random QK-normed configs (e4m3fn/e5m2, T 16–64, D 16/64, gains 0.5–4, outlier channels) rescaled by "
+    "c ∈ {1.05, 1.3, 2.24, 4, 16, 64, 256}: ratio ∈ [0.39, 1.49] (powers of two give exactly 1); clipping by 2× "
+    "(c = 0.5) gives ratio ≥ 1.33 and up to 8.4. Drift simulator, every-step recalibration (strategy B on a "
+    "different batch): ratio ∈ [0.85, 1.15]; never recalibrating: up to 9.2. Value 2.0 = 1.49 + one third margin.",
+)
+
+KV_DRIFT_LOGPROB_VS_FRESH = _register(
+    "kv_drift_logprob_vs_fresh",
+    2.0,
+    "Empirically justified factor κ_lp for the drift simulator's log-prob divergence mean_t |log π_fp8(a_t) − "
+    "log π(a_t)|: a schedule holds if it stays within κ_lp × the divergence with fresh per-step amax scales "
+    "(same reasoning as kv_attention_vs_fresh; the divergence aggregates ~200 tokens, so the rounding "
+    "realisation moves it less). Measured on the default config (24 steps): every-step ratio ∈ [0.85, 1.28]; "
+    "every-5 up to 2.75 just before a recalibration; never up to 9.9. Value 2.0.",
+)

@@ -173,3 +173,49 @@ def test_checks_listing_has_unique_ids_and_table_bounds():
     ids = [row["id"] for row in rows]
     assert len(ids) == len(set(ids)) and len(ids) >= 10
     assert all(row["bound_derivation"] for row in rows)
+
+
+def test_entry_point_engine_is_loaded_by_name(tmp_path):
+    """An out-of-tree package exposing an engine through the ``fp8rl.engines`` entry-point group."""
+    dist = tmp_path / "vendor_engine-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendor-engine\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fp8rl.engines]\nvendor-x = support.bad_engines:WrongDtype\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "tests")]))
+    r = subprocess.run([sys.executable, "-m", "fp8rl", "conformance", "--engine", "vendor-x", "--area", "formats",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = _report(tmp_path / "out")
+    assert rep["engine"]["name"] == "wrong-dtype"
+    assert any("expected dtype torch.uint8" in c["message"] for c in rep["checks"] if c["outcome"] == "error")
+
+
+def test_gpu_per_worker_mapping_round_robin():
+    from fp8rl.plugin import gpu_for_worker, visible_gpus
+
+    assert [gpu_for_worker(f"gw{i}", ["0", "1", "2"]) for i in range(5)] == ["0", "1", "2", "0", "1"]
+    assert gpu_for_worker("gw0", []) is None
+    assert gpu_for_worker("master", ["0"]) is None
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == ["4", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_failure_message_carries_a_reproduction(tmp_path):
+    r = fp8rl("conformance", "--engine", "mutant:truncating-cast", "--area", "formats", "-k", "sweep",
+              "--out", str(tmp_path))
+    assert r.returncode == 1
+    failed = [c for c in _report(tmp_path)["checks"] if c["outcome"] == "failed"]
+    assert failed
+    msg = failed[0]["message"]
+    for needle in ("codes differ", "shape", "first offending", "expected 0x", "got 0x", "x=", "reproduce: seed"):
+        assert needle in msg, (needle, msg)
+
+
+def test_xdist_run_gives_the_same_outcomes(tmp_path):
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
+    assert fp8rl("conformance", "--engine", "reference", "--area", "formats", "--out", str(serial)).returncode == 0
+    r = fp8rl("conformance", "--engine", "reference", "--area", "formats", "-n", "2", "--out", str(parallel))
+    assert r.returncode == 0, r.stdout[-2000:]
+    a = {(c["id"], c["case"]): c["outcome"] for c in _report(serial)["checks"]}
+    b = {(c["id"], c["case"]): c["outcome"] for c in _report(parallel)["checks"]}
+    assert a == b and len(a) >= 16

@@ -73,19 +73,155 @@ class ReferenceEngine(Engine):
         return block_gemm_exact(a, w).to(out_dtype)
 
     # -- area kv (BEGIN kv section; only the KV area edits between these markers) --------------------------------
+    # The oracle's FP8 KV cache (fp8rl.reference.kv): vLLM-CUDA numerics (x/s, saturating, RNE) for static
+    # layouts, vLLM fp8_per_token_head (x·(1/s), clamp, floor 1e-6) for "token_head"; Q quantized x·(1/s).
+    # Model-level state: per layer, the pushed KVScales, or None = "recalibrate engine-side (strategy A) on the
+    # next kv_forward"; a layer never given scales raises MissingKVScales instead of using 1.0.
     def _caps_kv(self) -> CapabilityMap:
-        return {}
+        return {"kv.store": True, "kv.attention": True, "kv.calibrate": True, "kv.update_scales": True}
+
+    def kv_policy(self, fmt: str, layout: str):
+        from fp8rl.reference import kv as kvref
+
+        return kvref.default_policy(fmt, layout)
+
+    def kv_store(self, x, scale, *, fmt, layout):
+        from fp8rl.reference import kv as kvref
+
+        return kvref.quantize_kv(x, scale, self.kv_policy(fmt, layout))
+
+    def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
+                     sm_scale=None):
+        from fp8rl.reference import kv as kvref
+
+        pol = self.kv_policy(k_cache.fmt, k_cache.layout)
+        out = kvref.fp8_attention(q, k_cache, v_cache, q_scale=q_scale, q_fmt=pol.q_fmt, q_quant_op=pol.q_quant_op,
+                                  causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths, sm_scale=sm_scale)
+        return out.float()
+
+    def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
+        from fp8rl.reference import kv as kvref
+
+        return kvref.calibrate(captures, strategy, layout=layout, fmt=fmt)
+
+    def _kv_layers(self) -> dict:
+        return self.__dict__.setdefault("_kv_layer_scales", {})
+
+    def kv_update_scales(self, layer, scales):
+        from fp8rl.reference import kv as kvref
+
+        if scales is None:
+            self._kv_layers()[layer] = None
+            return "pending"
+        if not isinstance(scales, kvref.KVScales):
+            raise ValueError(f"scales: expected a KVScales or None, got {type(scales).__name__}")
+        self._kv_layers()[layer] = kvref.KVScales.of(scales.q, scales.k, scales.v)
+        return "pushed"
+
+    def _kv_current_scales(self, layer, q, k, v, layout):
+        from fp8rl.reference import kv as kvref
+
+        layers = self._kv_layers()
+        if layer not in layers:
+            raise kvref.MissingKVScales(f"layer {layer!r}: no KV scales were pushed or calibrated; refusing to run "
+                                        "the FP8 KV cache with the default scale 1.0")
+        scales = layers[layer]
+        if scales is None:  # engine-side recalibration on the first batch after a reset, then frozen
+            if layout == "head":
+                raise ValueError("layout: engine-side recalibration gives per-tensor scales; push per-head scales")
+            scales = kvref.calibrate_engine_first_batch(q, k, v)
+            layers[layer] = scales
+        return scales
+
+    def kv_forward(self, layer, q, k, v, *, fmt, layout="tensor", causal=True, q_lengths=None, kv_lengths=None,
+                   sm_scale=None):
+        from fp8rl.reference import kv as kvref
+
+        pol = self.kv_policy(fmt, layout)
+        s = self._kv_current_scales(layer, q, k, v, layout)
+        dynamic = layout == "token_head"
+        kc = self.kv_store(k, None if dynamic else s.k, fmt=fmt, layout=layout)
+        vc = self.kv_store(v, None if dynamic else s.v, fmt=fmt, layout=layout)
+        out = self.kv_attention(q, kc, vc, q_scale=s.q if pol.quantize_q else None, causal=causal,
+                                q_lengths=q_lengths, kv_lengths=kv_lengths, sm_scale=sm_scale)
+        return kvref.KVForward(out, kc, vc, s)
 
     # -- END kv section ---------------------------------------------------------------------------------------------
 
     # -- area correction (BEGIN correction section) -----------------------------------------------------------------
     def _caps_correction(self) -> CapabilityMap:
-        return {}
+        return {"rollout_correction": True, "rollout_correction.geometric": True, "rollout_correction.veto": True,
+                "rollout_correction.loss": True}
+
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        from fp8rl.reference import correction
+
+        return correction.rollout_correction(train_logp, rollout_logp, mask, config)
+
+    def correction_loss(self, logp, old_logp, advantages, mask, weights, config):
+        from fp8rl.reference import correction
+
+        return correction.policy_loss(logp, old_logp, advantages, mask, weights, config).to(logp.dtype)
 
     # -- END correction section -------------------------------------------------------------------------------------
 
     # -- area weight_sync / e2e (BEGIN e2e section) -----------------------------------------------------------------
+    # weight_sync: fp8rl.reference.weight_sync with the engine's own quantize() (so a kernel plugged in for
+    # block quantization flows into weight sync) under its declared scale_policy("block"). Rollouts:
+    # fp8rl.reference.rollout.RolloutPolicy (transformers model classes, emulated FP8 numerics) running on this
+    # engine's synced weights, with activations quantized under scale_policy("group").
+
+    #: weight-sync results of the oracle quantizer, shared by every instance: (weights digest, recipe) → tensors
+    _E2E_SYNC_MEMO: dict = {}
+
     def _caps_e2e(self) -> CapabilityMap:
-        return {}
+        import importlib.util
+
+        from fp8rl.reference.rollout import RECIPES
+
+        caps: CapabilityMap = {"weight_sync": True}
+        have = all(importlib.util.find_spec(m) is not None for m in ("transformers", "safetensors"))
+        status: bool | str = True if have else "transformers/safetensors are not installed (pip install transformers)"
+        caps["rollout"] = status
+        caps.update({f"rollout.{r}": status for r in RECIPES})
+        return caps
+
+    def _weight_sync_recipe(self):
+        from fp8rl.reference.weight_sync import WeightSyncRecipe
+
+        return WeightSyncRecipe(policy=self.scale_policy("block"))
+
+    def weight_sync(self, state_dict):
+        from fp8rl.reference import weight_sync as ws
+
+        recipe = self._weight_sync_recipe()
+        if type(self).quantize is not ReferenceEngine.quantize:  # a plugged-in quantizer: never share results
+            return ws.quantize_state_dict(state_dict, recipe, quantize_fn=self.quantize)
+        # the oracle's quantizer is a pure function of (weights, policy): memoize across engine instances
+        from fp8rl.fixtures import digest_state_dict
+
+        key = (digest_state_dict(dict(state_dict)), recipe)
+        hit = ReferenceEngine._E2E_SYNC_MEMO.get(key)
+        if hit is None:
+            hit = ws.quantize_state_dict(state_dict, recipe, quantize_fn=self.quantize)
+            if len(ReferenceEngine._E2E_SYNC_MEMO) >= 8:
+                ReferenceEngine._E2E_SYNC_MEMO.pop(next(iter(ReferenceEngine._E2E_SYNC_MEMO)))
+            ReferenceEngine._E2E_SYNC_MEMO[key] = hit
+        return dict(hit)
+
+    def rollout_init(self, config, state_dict, recipe):
+        from fp8rl.reference.rollout import RolloutPolicy, get_recipe
+
+        r = get_recipe(recipe)
+        synced = self.weight_sync(state_dict) if r.fp8_linear else None
+        return RolloutPolicy(config, state_dict, r, synced=synced, act_policy=self.scale_policy("group"))
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        return handle.generate(prompts, max_new_tokens, greedy=greedy, seed=seed)
+
+    def update_weights(self, handle, state_dict):
+        synced = self.weight_sync(state_dict) if handle.recipe.fp8_linear else None
+        handle.update_weights(state_dict, synced=synced)
+        return handle
 
     # -- END e2e section --------------------------------------------------------------------------------------------

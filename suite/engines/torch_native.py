@@ -72,7 +72,10 @@ class TorchEngine(Engine):
         return caps
 
     def _caps_kv(self) -> CapabilityMap:
-        return {}
+        keys = ("kv.store", "kv.attention", "kv.calibrate", "kv.update_scales")
+        if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+            return dict.fromkeys(keys, f"torch {torch.__version__} has no scaled_dot_product_attention")
+        return dict.fromkeys(keys, True)
 
     def cast_overflow(self, fmt: str) -> str:
         return _CAST_OVERFLOW[fmt]
@@ -137,6 +140,158 @@ class TorchEngine(Engine):
         return (a32 @ w32.t()).to(out_dtype).cpu()
 
     # -- area kv (BEGIN kv section; only the KV area edits between these markers) --------------------------------
+    # A framework-style FP8 KV cache written with torch ops only (no oracle code): store y = x / s (x · (1/s) for
+    # per-token-head scales), clamp to ±max, torch's fp8 cast; load codes.view(fp8).float() · s; attention =
+    # torch.nn.functional.scaled_dot_product_attention in fp32 (enable_gqa) on the dequantized operands, Q
+    # quantized per tensor as vLLM's QuantFP8 does (x · (1/s_q), clamp, cast to e4m3fn).
+    _KV_FORMATS = ("e4m3fn", "e5m2")
+    _KV_LAYOUTS = ("tensor", "head", "token_head")
+    _KV_CONSTANTS = (200.0, 200.0, 100.0)  # vLLM Q/K/V_SCALE_CONSTANT
+
+    def kv_policy(self, fmt: str, layout: str):
+        from fp8rl.reference.kv import KVPolicy
+
+        if fmt not in self._KV_FORMATS:
+            raise Unsupported(f"no FP8 KV cache in {fmt!r} (supported: {self._KV_FORMATS})")
+        if layout not in self._KV_LAYOUTS:
+            raise ValueError(f"layout: expected one of {self._KV_LAYOUTS}, got {layout!r}")
+        return KVPolicy(fmt=fmt, layout=layout, quant_op="mul_recip" if layout == "token_head" else "div",
+                        clamp=True, overflow=_CAST_OVERFLOW[fmt], token_head_floor=1e-6, quantize_q=True,
+                        q_fmt="e4m3fn", q_quant_op="mul_recip")
+
+    def kv_store(self, x, scale, *, fmt, layout):
+        from fp8rl.reference.kv import KVCache
+
+        self.kv_policy(fmt, layout)
+        dt = _torch_dtype(fmt)
+        fmax = float(torch.finfo(dt).max)
+        x32 = x.to(self.device, torch.float32)
+        if x32.dim() < 3:
+            raise ValueError(f"x: expected [..., T, H, D], got shape {tuple(x32.shape)}")
+        if layout == "token_head":
+            if scale is not None:
+                raise ValueError("scale: layout 'token_head' computes its scales; pass None")
+            s = (x32.abs().amax(dim=-1) / fmax).clamp(min=1e-6)
+            y = x32 * (1.0 / s).unsqueeze(-1)
+        else:
+            if scale is None:
+                raise ValueError(f"scale: layout {layout!r} needs a scale")
+            s = torch.as_tensor(scale).to(self.device, torch.float32)
+            want = () if layout == "tensor" else (x32.shape[-2],)
+            if tuple(s.shape) != want:
+                raise ValueError(f"scale: expected shape {want} for layout {layout!r}, got {tuple(s.shape)}")
+            y = x32 / (s if layout == "tensor" else s.unsqueeze(-1))
+        codes = y.clamp(-fmax, fmax).to(dt).view(torch.uint8)
+        return KVCache(codes.cpu(), s.cpu(), fmt, layout)
+
+    def _kv_load(self, cache) -> torch.Tensor:
+        vals = cache.codes.to(self.device).view(_torch_dtype(cache.fmt)).float()
+        s = cache.scale.to(self.device, torch.float32)
+        if cache.layout == "token_head":
+            return vals * s.unsqueeze(-1)
+        return vals * (s if cache.layout == "tensor" else s.unsqueeze(-1))
+
+    def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
+                     sm_scale=None):
+        dev = self.device
+        q32 = q.to(dev, torch.float32)
+        if q_scale is not None:
+            qs = torch.as_tensor(q_scale).to(dev, torch.float32)
+            q8 = (q32 * (1.0 / qs)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            q32 = q8.float() * qs
+        k = self._kv_load(k_cache)
+        v = self._kv_load(v_cache)
+        b, tq, hq, d = q32.shape
+        tk, hkv = k.shape[1], k.shape[2]
+        ql = torch.full((b,), tq) if q_lengths is None else torch.as_tensor(q_lengths).long()
+        kl = torch.full((b,), tk) if kv_lengths is None else torch.as_tensor(kv_lengths).long()
+        ql, kl = ql.to(dev), kl.to(dev)
+        qi = torch.arange(tq, device=dev)
+        kj = torch.arange(tk, device=dev)
+        q_ok = qi[None, :] < ql[:, None]  # [B, Tq]
+        k_ok = kj[None, :] < kl[:, None]  # [B, Tk]
+        mask = q_ok[:, :, None] & k_ok[:, None, :]
+        if causal:
+            mask &= kj[None, None, :] <= qi[None, :, None] + (kl - ql)[:, None, None]
+        # never read beyond kv_len (slots there may hold any bytes, NaN included); padded query rows → 0
+        k = torch.where(k_ok[:, :, None, None], k, 0.0)
+        v = torch.where(k_ok[:, :, None, None], v, 0.0)
+        q32 = torch.where(q_ok[:, :, None, None], q32, 0.0)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q32.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+            scale=(1.0 / math.sqrt(d)) if sm_scale is None else float(sm_scale), enable_gqa=hq != hkv)
+        out = out.transpose(1, 2)
+        return torch.where(q_ok[:, :, None, None], out, 0.0).cpu()
+
+    @staticmethod
+    def _kv_amax(t: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+        a = t.float().abs()
+        if per_head:
+            return a.transpose(-2, 0).reshape(a.shape[-2], -1).amax(dim=1)
+        return a.amax()
+
+    def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
+        from fp8rl.reference.kv import KVScales
+
+        name = {"A": "engine_first_batch", "B": "trainer_p999", "C": "amax"}.get(strategy, strategy)
+        fmax = float(torch.finfo(_torch_dtype(fmt)).max)
+        if name == "engine_first_batch":
+            if layout != "tensor":
+                raise ValueError("layout: strategy A gives per-tensor scales")
+            q, k, v = captures[0][0]
+            c = [torch.tensor(x, dtype=torch.float32) for x in self._KV_CONSTANTS]
+            return KVScales(self._kv_amax(q) / c[0], self._kv_amax(k) / c[1], self._kv_amax(v) / c[2])
+        if name == "trainer_p999":
+            if layout != "tensor":
+                raise ValueError("layout: strategy B gives per-tensor scales")
+            out = []
+            for i, m in enumerate((448.0, fmax, fmax)):
+                best = 0.0
+                for rank in captures:
+                    vals = sorted(float(self._kv_amax(mb[i])) for mb in rank)
+                    idx = max(0, min(len(vals) - 1, int(round((99.9 / 100.0) * (len(vals) - 1)))))
+                    best = max(best, vals[idx])
+                out.append(torch.tensor(best * 1.05 / m, dtype=torch.float32))
+            return KVScales(*out)
+        if name == "amax":
+            flat = [mb for rank in captures for mb in rank]
+            per_head = layout == "head"
+            res = []
+            for i, m in enumerate((448.0, fmax, fmax)):
+                a = torch.stack([self._kv_amax(mb[i], per_head and i > 0) for mb in flat]).amax(dim=0)
+                res.append(a / m)
+            return KVScales(*res)
+        raise ValueError(f"strategy: unknown {strategy!r}; expected engine_first_batch/A, trainer_p999/B, amax/C")
+
+    def kv_update_scales(self, layer, scales):
+        from fp8rl.reference.kv import KVScales
+
+        state = self.__dict__.setdefault("_kv_state", {})
+        if scales is None:
+            state[layer] = None
+            return "pending"
+        if not isinstance(scales, KVScales):
+            raise ValueError(f"scales: expected a KVScales or None, got {type(scales).__name__}")
+        state[layer] = KVScales(*(torch.as_tensor(t).to(torch.float32).clone() for t in (scales.q, scales.k, scales.v)))
+        return "pushed"
+
+    def kv_forward(self, layer, q, k, v, *, fmt, layout="tensor", causal=True, q_lengths=None, kv_lengths=None,
+                   sm_scale=None):
+        from fp8rl.reference.kv import KVForward, MissingKVScales
+
+        state = self.__dict__.setdefault("_kv_state", {})
+        if layer not in state:
+            raise MissingKVScales(f"layer {layer!r}: no KV scales set; refusing the default 1.0")
+        if state[layer] is None:
+            state[layer] = self.kv_calibrate([[(q, k, v)]], "engine_first_batch", fmt=fmt)
+        s = state[layer]
+        dyn = layout == "token_head"
+        kc = self.kv_store(k, None if dyn else s.k, fmt=fmt, layout=layout)
+        vc = self.kv_store(v, None if dyn else s.v, fmt=fmt, layout=layout)
+        out = self.kv_attention(q, kc, vc, q_scale=s.q, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                sm_scale=sm_scale)
+        return KVForward(out, kc, vc, s)
+
     # -- END kv section ---------------------------------------------------------------------------------------------
 
 

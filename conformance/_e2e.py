@@ -1,0 +1,279 @@
+"""The end-to-end mismatch experiment shared by the e2e checks, the report section and the budget calibration.
+
+One *case* = (engine, tiny model, weights variant, recipe): the engine starts a rollout policy, generates
+``N_NEW`` tokens from each fixed prompt twice — sampled at temperature 1 (seed ``SAMPLE_SEED``) and greedy — and
+the BF16 trainer oracle (:class:`fp8rl.reference.rollout.RolloutPolicy` with recipe ``bf16``, teacher-forced)
+scores the sampled tokens. Mismatch metrics (:func:`~fp8rl.reference.rollout.mismatch_metrics`) come from the
+sampled rollout; the first divergence position compares the greedy tokens with the trainer's own greedy
+continuation (full forward per step, no cache).
+
+``python -m fp8rl.conformance._e2e`` re-measures the distribution of these metrics for the reference engine over
+alternative weight seeds and sampling seeds, which is what the budgets in :mod:`fp8rl.tolerances` are set from.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from fp8rl import fixtures, tolerances
+from fp8rl.engine import EngineError
+from fp8rl.reference import rollout as R
+
+MODELS: tuple[str, ...] = fixtures.TINY_MODELS
+RECIPES: tuple[str, ...] = tuple(R.RECIPES)
+FP8_RECIPES: tuple[str, ...] = tuple(r for r in RECIPES if r != "bf16")
+N_NEW = 20
+SAMPLE_SEED = 1234
+METRICS = ("k3_kl", "token_mult_prob_error", "max_abs_dlogp")
+
+
+def prompts() -> torch.Tensor:
+    return fixtures.prompt_ids()
+
+
+def prompt_len() -> int:
+    return int(prompts().shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# oracle (engine-independent, cached per process)
+
+
+@functools.lru_cache(maxsize=8)
+def oracle(model: str, variant: str = "base") -> R.RolloutPolicy:
+    """The BF16 trainer policy of a tiny model fixture."""
+    m = fixtures.tiny_model(model, variant)
+    return R.RolloutPolicy(m.config, m.state_dict, "bf16")
+
+
+@functools.lru_cache(maxsize=8)
+def oracle_greedy(model: str, variant: str = "base") -> torch.Tensor:
+    return oracle(model, variant).greedy_full(prompts(), N_NEW)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one case
+
+
+def check_rollout_output(out: Any, engine_name: str, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate what ``engine.rollout`` returned: (tokens (B, P+N) int64 starting with the prompts, logprobs
+    (B, N) float32, finite, ≤ 0). EngineError otherwise."""
+    what = f"{engine_name}.rollout"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise EngineError(f"{what}: expected a (tokens, logprobs) tuple, got {type(out).__name__}")
+    tokens, logprobs = out
+    p = prompts()
+    b, n = p.shape[0], N_NEW
+    for t, name, shape in ((tokens, "tokens", (b, p.shape[1] + n)), (logprobs, "logprobs", (b, n))):
+        if not isinstance(t, torch.Tensor):
+            raise EngineError(f"{what}: {name} is {type(t).__name__}, expected a torch.Tensor")
+        if tuple(t.shape) != shape:
+            raise EngineError(f"{what}: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if tokens.dtype != torch.int64:
+        raise EngineError(f"{what}: tokens dtype {tokens.dtype}, expected torch.int64")
+    if logprobs.dtype != torch.float32:
+        raise EngineError(f"{what}: logprobs dtype {logprobs.dtype}, expected torch.float32")
+    if not torch.equal(tokens[:, : p.shape[1]].cpu(), p):
+        raise EngineError(f"{what}: tokens do not start with the prompts")
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise EngineError(f"{what}: token ids outside [0, {vocab})")
+    if not bool(torch.isfinite(logprobs).all()) or bool((logprobs > 1e-4).any()):
+        bad = (~torch.isfinite(logprobs) | (logprobs > 1e-4)).nonzero()[:3].tolist()
+        raise EngineError(f"{what}: log-probs must be finite and ≤ 0 (first bad at {bad})")
+    return tokens.cpu(), logprobs.cpu()
+
+
+@dataclass
+class CaseResult:
+    model: str
+    variant: str
+    recipe: str
+    metrics: dict[str, float]
+    dlogp_by_position: list[float]  # mean over prompts of |Δlogp| at each generated position (sampled rollout)
+    first_divergence: list[int]  # per prompt (greedy rollout)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def measure(engine: Any, model: str, recipe: str, *, variant: str = "base", seed: int = SAMPLE_SEED,
+            state: Any = None, config: Any = None, trainer: R.RolloutPolicy | None = None,
+            trainer_greedy: torch.Tensor | None = None) -> CaseResult:
+    """Run one case on ``engine`` (any object with the rollout ops; a GuardedEngine in checks)."""
+    m = fixtures.tiny_model(model, variant) if state is None else None
+    cfg = config if config is not None else m.config  # type: ignore[union-attr]
+    sd = state if state is not None else m.state_dict  # type: ignore[union-attr]
+    trainer = trainer or oracle(model, variant)
+    ref_greedy = trainer_greedy if trainer_greedy is not None else oracle_greedy(model, variant)
+    p, plen = prompts(), prompt_len()
+    vocab = int(cfg["vocab_size"])
+    handle = engine.rollout_init(cfg, sd, recipe)
+    tok_s, lp_s = check_rollout_output(engine.rollout(handle, p, N_NEW, greedy=False, seed=seed), engine.name, vocab)
+    tok_g, _ = check_rollout_output(engine.rollout(handle, p, N_NEW, greedy=True, seed=seed), engine.name, vocab)
+    lp_old = trainer.score(tok_s, plen)
+    metrics = R.mismatch_metrics(lp_s, lp_old)
+    fd = R.first_divergence(tok_g, ref_greedy, plen)
+    metrics["first_div_mean"] = float(fd.double().mean())
+    metrics["first_div_min"] = float(fd.min())
+    return CaseResult(model, variant, recipe, metrics, (lp_s - lp_old).abs().mean(0).tolist(), fd.tolist())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-engine cache (checks of one engine share the rollouts; the report section is built from it)
+
+_CACHE: dict[tuple[int, str, str, str], tuple[Any, CaseResult | BaseException]] = {}
+
+
+def cached_case(engine: Any, model: str, recipe: str, variant: str = "base") -> CaseResult:
+    """:func:`measure` once per (engine, model, variant, recipe) per process; re-raises a cached failure."""
+    key = (id(engine), model, variant, recipe)
+    hit = _CACHE.get(key)
+    if hit is None:
+        try:
+            res: CaseResult | BaseException = measure(engine, model, recipe, variant=variant)
+        except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001 - replayed to the check that owns it
+            res = exc
+        _CACHE[key] = hit = (engine, res)  # the engine is kept alive so that its id is not reused
+    res = hit[1]
+    if isinstance(res, BaseException):
+        raise res
+    return res
+
+
+def budget(metric: str, model: str, recipe: str) -> float:
+    return tolerances.e2e_budget(metric, model, recipe)
+
+
+def within_budget(res: CaseResult) -> list[str]:
+    """Budget violations of a case ("" list when within every budget)."""
+    out = []
+    for metric in METRICS:
+        b = budget(metric, res.model, res.recipe)
+        v = res.metrics[metric]
+        if not v <= b:
+            out.append(f"{metric} = {v:.4g} > budget {b:.4g}")
+    return out
+
+
+def fmt_case(res: CaseResult) -> str:
+    m = res.metrics
+    return (f"{res.model} [{res.variant}] {res.recipe}: k3 KL {m['k3_kl']:.3g}, token_mult_prob_error "
+            f"{m['token_mult_prob_error']:.4f}, max |Δlogp| {m['max_abs_dlogp']:.3g}, mean |Δlogp| "
+            f"{m['mean_abs_dlogp']:.3g}, first divergence per prompt {res.first_divergence}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report section
+
+
+def mismatch_section(engine: Any) -> dict[str, Any]:
+    """The ``mismatch`` report section for ``engine``: a table (model × recipe) and per-model plots of the mean
+    per-token |Δlogp| along the generated sequence, one series per recipe (recipes the engine lacks are listed)."""
+    from fp8rl.checks import capability_reason
+
+    cols = ["model", "recipe", "k3 KL", "budget", "token_mult_prob_error", "budget", "max |Δlogp|", "budget",
+            "mean |Δlogp|", "first divergence (mean)", "floor", "first divergence (min)"]
+    rows: list[list[Any]] = []
+    plots = []
+    notes = []
+    for model in MODELS:
+        series: dict[str, list[float]] = {}
+        for recipe in RECIPES:
+            reason = capability_reason(engine, f"rollout.{recipe}")
+            if reason is not None:
+                notes.append(f"{model}/{recipe}: not run ({reason})")
+                continue
+            try:
+                r = cached_case(engine, model, recipe)
+            except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001
+                notes.append(f"{model}/{recipe}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            m = r.metrics
+            rows.append([model, recipe, m["k3_kl"], budget("k3_kl", model, recipe), m["token_mult_prob_error"],
+                         budget("token_mult_prob_error", model, recipe), m["max_abs_dlogp"],
+                         budget("max_abs_dlogp", model, recipe), m["mean_abs_dlogp"], m["first_div_mean"],
+                         budget("first_div_mean", model, recipe), m["first_div_min"]])
+            series[recipe] = r.dlogp_by_position
+        if series:
+            plots.append({"type": "lines", "title": f"{model}: mean |Δlogp| per generated token vs the BF16 trainer",
+                          "x": list(range(N_NEW)), "series": series, "xlabel": "generated token position",
+                          "ylabel": "mean |log π_rollout − log π_trainer|", "yscale": "log"})
+    p = prompts()
+    text = (f"Rollouts of {p.shape[0]} fixed prompts ({p.shape[1]} tokens) × {N_NEW} new tokens on the tiny "
+            f"fixtures; KL metrics over the sampled rollout (temperature 1, seed {SAMPLE_SEED}) scored by the BF16 "
+            "trainer (teacher-forced transformers forward); first divergence: greedy rollout vs the trainer's own "
+            "greedy continuation (N = no divergence). Budgets: fp8rl.tolerances 'e2e.*' (measured distribution of "
+            "the reference FP8 emulation, with margins).")
+    if notes:
+        text += " " + " ".join(notes)
+    sec: dict[str, Any] = {"title": "FP8 rollout vs BF16 trainer: mismatch per recipe", "text": text,
+                           "table": {"columns": cols, "rows": rows}}
+    if plots:
+        sec["plot"] = plots
+    return sec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# budget calibration (maintainers): python -m fp8rl.conformance._e2e [--seeds K]
+
+
+def calibrate(n_seeds: int = 10, models: tuple[str, ...] = MODELS, recipes: tuple[str, ...] = RECIPES,
+              progress: bool = True) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Metric samples of the reference engine per (model, recipe) over weight seeds ``seed + k`` (k = 0..K−1, the
+    fixture's own seed first), both weight variants (base, update) and sampling seed ``SAMPLE_SEED + k``."""
+    from fp8rl.engines.reference import ReferenceEngine
+
+    eng = ReferenceEngine()
+    out: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for model in models:
+        spec = fixtures.tiny_model_spec(model)
+        cfg = fixtures.model_config(model)
+        for k in range(n_seeds):
+            for variant in ("base", "update"):
+                sd = fixtures.generate_state_dict(cfg, int(spec["seed"]) + k, spec["init"],
+                                                  spec["update"] if variant == "update" else None)
+                trainer = R.RolloutPolicy(cfg, sd, "bf16")
+                greedy = trainer.greedy_full(prompts(), N_NEW)
+                for recipe in recipes:
+                    r = measure(eng, model, recipe, variant=variant, seed=SAMPLE_SEED + k, state=sd, config=cfg,
+                                trainer=trainer, trainer_greedy=greedy)
+                    d = out.setdefault((model, recipe), {})
+                    for key, v in r.metrics.items():
+                        d.setdefault(key, []).append(v)
+                    if progress:
+                        print(f"{model} seed+{k} {variant} {recipe}: " +
+                              ", ".join(f"{a} {b:.4g}" for a, b in r.metrics.items()), flush=True)
+    return out
+
+
+def _summary(samples: dict[tuple[str, str], dict[str, list[float]]]) -> str:
+    lines = ["model recipe metric: min median max (n)"]
+    for (model, recipe), d in samples.items():
+        for key, vals in d.items():
+            v = sorted(vals)
+            lines.append(f"{model} {recipe} {key}: {v[0]:.4g} {v[len(v) // 2]:.4g} {v[-1]:.4g} ({len(v)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--json", default=None, help="write the raw samples here")
+    args = ap.parse_args(argv)
+    samples = calibrate(args.seeds)
+    print(_summary(samples))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{m}/{r}": d for (m, r), d in samples.items()}, f, indent=1)
+    return 0 if all(math.isfinite(v) for d in samples.values() for vs in d.values() for v in vs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

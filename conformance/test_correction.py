@@ -1,0 +1,904 @@
+"""Area ``correction``: rollout correction — IS weights (TIS, IcePop/MIS, sequence and geometric variants, batch
+normalization), rejection sampling (k1/k2/k3 at token / seq_sum / seq_mean / seq_max, veto), mismatch metrics and
+the loss application, against the float64 oracle :mod:`fp8rl.reference.correction`.
+
+δ = log π_train − log π_rollout, ρ = e^δ. The engine computes in the inputs' dtype (fp32); every comparison uses a
+bound derived in the tolerance table (``corr_weight``, ``corr_stat``, ``corr_metric``, ``corr_loss``). Examples
+whose keep/reject decision is within the ``corr_stat``/``corr_weight`` bound of a threshold are ambiguous by
+construction and are discarded (hypothesis ``assume``; the strategies make them rare).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import fp8rl.mutants_correction  # noqa: F401  (registers the correction mutants when the checks load)
+import numpy as np
+import pytest
+import torch
+from fp8rl import tolerances
+from fp8rl.checks import assert_within_bound, check, record_metrics
+from fp8rl.engine import EngineError
+from fp8rl.reference import correction as C
+from fp8rl.strategies_correction import (
+    Batch,
+    batches,
+    icepop_bounds,
+    is_configs,
+    make_batch,
+    rs_specs,
+    tis_thresholds,
+)
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+U32 = tolerances.UNIT_ROUNDOFF["float32"]
+CAP = "rollout_correction"
+
+# ----------------------------------------------------------------------------------------------------------------
+# running and validating
+
+
+def _call(engine, b: Batch, cfg: C.CorrectionConfig):
+    got = engine.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+    op = f"{engine.name}.rollout_correction"
+    for attr in ("weights", "mask", "metrics"):
+        if not hasattr(got, attr):
+            raise EngineError(f"{op} returned {type(got).__name__} without {attr!r}; expected a CorrectionResult")
+    if cfg.rollout_is is None:
+        if got.weights is not None:
+            raise EngineError(f"{op}: rollout_is=None but weights were returned")
+    else:
+        if not isinstance(got.weights, torch.Tensor) or tuple(got.weights.shape) != tuple(b.mask.shape):
+            raise EngineError(f"{op}: weights must be a {tuple(b.mask.shape)} tensor, got "
+                              f"{getattr(got.weights, 'shape', got.weights)!r}")
+    if not isinstance(got.mask, torch.Tensor) or tuple(got.mask.shape) != tuple(b.mask.shape):
+        raise EngineError(f"{op}: mask must be a {tuple(b.mask.shape)} tensor")
+    if got.mask.dtype != b.mask.dtype:
+        raise EngineError(f"{op}: mask dtype {got.mask.dtype} != input mask dtype {b.mask.dtype}")
+    if not isinstance(got.metrics, dict):
+        raise EngineError(f"{op}: metrics must be a dict, got {type(got.metrics).__name__}")
+    return got
+
+
+def _ctx(b: Batch, cfg: C.CorrectionConfig) -> str:
+    return (f"{b.describe()}; rollout_is={cfg.rollout_is} threshold={cfg.rollout_is_threshold!r} "
+            f"norm={cfg.rollout_is_batch_normalize} rs={cfg.rollout_rs} rs_threshold={cfg.rollout_rs_threshold!r}")
+
+
+def _m(b: Batch) -> torch.Tensor:
+    return b.mask != 0
+
+
+def _delta(b: Batch) -> torch.Tensor:
+    return C.log_ratio(b.train_logp, b.rollout_logp, b.mask)
+
+
+def _gamma(n: int) -> float:
+    return tolerances.gamma(int(n), U32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bounds and ambiguity
+
+
+def _log_weight_err(b: Batch, level: str) -> torch.Tensor:
+    """Bound on the engine's absolute error in the log weight (corr_weight derivation, step 1)."""
+    m = _m(b)
+    d = _delta(b).abs()
+    n = m.sum(-1, keepdim=True).clamp_min(1).double()
+    s = torch.where(m, d, 0.0).sum(-1, keepdim=True)
+    if level == "token":
+        return U32 * d
+    g = torch.tensor([_gamma(int(k)) for k in n.flatten().tolist()], dtype=torch.float64).reshape(n.shape)
+    if level == "sequence":
+        return (g * s).expand_as(d)
+    return ((g + U32) * s / n).expand_as(d)
+
+
+def _weight_rel(b: Batch, cfg: C.CorrectionConfig) -> torch.Tensor:
+    n_norm = int(_m(b).sum()) + b.mask.shape[0] + 2 if cfg.rollout_is_batch_normalize else None
+    return tolerances.corr_weight_rel_bound(_log_weight_err(b, cfg.rollout_is), n_norm)
+
+
+def _ambiguous_is(b: Batch, cfg: C.CorrectionConfig) -> bool:
+    """A raw log weight within its error bound of log lo / log hi (IcePop keep decision or a fraction metric)."""
+    m = _m(b)
+    lw = C.raw_log_weights(_delta(b), m, cfg.rollout_is)
+    err = _log_weight_err(b, cfg.rollout_is) + 4 * U32
+    for bound in {cfg.is_upper, cfg.is_lower}:
+        lb = math.log(bound)
+        if bool((m & ((lw - lb).abs() <= err + U32 * abs(lb) + 1e-12)).any()):
+            return True
+    return False
+
+
+def _stat_err(b: Batch, option: str) -> torch.Tensor:
+    """corr_stat: bound on the engine's absolute error in an RS statistic, broadcast like the statistic."""
+    m = _m(b)
+    d = _delta(b)
+    ds = d.clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+    c = tolerances.get("corr_stat").value
+    kind = option[-2:]
+    if kind in ("k1", "k2"):
+        e_t = c * U32 * d.abs() * (1 + d.abs())
+    else:
+        e_t = c * U32 * (torch.exp(ds) + 1 + d.abs()) * (2 + d.abs())
+    k_abs = C.rs_token_stats(d)[kind].abs()
+    e_t = torch.where(m, e_t, 0.0)
+    n = m.sum(-1).clamp_min(1)
+    if option.startswith("token_"):
+        return e_t
+    g = torch.tensor([_gamma(int(k)) for k in n.tolist()], dtype=torch.float64)
+    if option.startswith("seq_sum_"):
+        e = e_t.sum(-1) + g * torch.where(m, k_abs, 0.0).sum(-1)
+    elif option.startswith("seq_mean_"):
+        e = (e_t.sum(-1) + (g + U32) * torch.where(m, k_abs, 0.0).sum(-1)) / n
+    else:
+        e = e_t.amax(-1)
+    return e.unsqueeze(-1).expand_as(d)
+
+
+def _ambiguous_rs(b: Batch, cfg: C.CorrectionConfig) -> bool:
+    m = _m(b)
+    d = _delta(b)
+    for opt, (lo, hi) in cfg.rs_bounds.items():
+        _, stat = C.rs_keep(d, m, opt, (lo, hi))
+        err = _stat_err(b, opt) + 1e-12
+        thrs = [math.log(hi), math.log(lo)] if opt.endswith("k1") else [hi]
+        for t in thrs:
+            if bool((m & ((stat - t).abs() <= err + 2 * U32 * abs(t))).any()):
+                return True
+    if cfg.rollout_token_veto_threshold is not None:
+        lt = math.log(cfg.rollout_token_veto_threshold)
+        if bool((m & ((d - lt).abs() <= U32 * (d.abs() + abs(lt)) * 4 + 1e-12)).any()):
+            return True
+    return False
+
+
+def _ambiguous(b: Batch, cfg: C.CorrectionConfig) -> bool:
+    return (cfg.rollout_is is not None and _ambiguous_is(b, cfg)) or _ambiguous_rs(b, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparisons
+
+
+def _compare_weights(got, b: Batch, cfg: C.CorrectionConfig, context: str) -> None:
+    m = _m(b)
+    w_ref, _, _ = C.is_weights(_delta(b), m, cfg)
+    rel = _weight_rel(b, cfg)
+    assert_within_bound(torch.where(m, got.weights.detach().double(), 0.0), w_ref, rel * w_ref,
+                        context=f"{context}: IS weights on valid tokens")
+    pad = got.weights.detach()[~m]
+    assert bool((pad == 0).all()), f"{context}: IS weights at padding must be 0, got {pad[pad != 0][:5].tolist()}"
+
+
+def _compare_mask(got, ref_mask: torch.Tensor, context: str) -> None:
+    g = got.mask.detach().double()
+    e = ref_mask.double()
+    bad = (g != e).nonzero()
+    assert bad.numel() == 0, (f"{context}: {bad.shape[0]} mask entries differ from the oracle; first at "
+                              f"{bad[:5].tolist()}: expected {[float(e[tuple(i)]) for i in bad[:5].tolist()]} got "
+                              f"{[float(g[tuple(i)]) for i in bad[:5].tolist()]}")
+
+
+def _metric_magnitudes(b: Batch, cfg: C.CorrectionConfig) -> tuple[dict[str, float], float, int]:
+    """corr_metric: the aggregation of the absolute values of each metric's parts (M), L and N + B."""
+    m = _m(b)
+    z = torch.zeros((), dtype=torch.float64)
+    lo = torch.where(m, b.train_logp.double(), z)
+    lr = torch.where(m, b.rollout_logp.double(), z)
+    d = torch.where(m, lo - lr, z)
+    dc = d.clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+    valid = m.any(-1)
+    n = m.sum(-1).clamp_min(1).double()
+
+    def mm(x):
+        return float(torch.where(m, x, z).sum() / m.sum())
+
+    def rsum(x):
+        return torch.where(m, x, z).sum(-1)[valid]
+
+    L = float(torch.where(m, lo.abs() + lr.abs() + 2 * d.abs(), z).max())
+    nv = n[valid]
+    mlo, mlr = rsum(lo) / nv, rsum(lr) / nv
+    alo, alr = rsum(lo.abs()), rsum(lr.abs())
+    di = (mlr - mlo).clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+    s = rsum(d).clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+    p_tr, p_ro = torch.exp(lo[m]), torch.exp(lr[m])
+    pmag = float(((p_tr + p_ro) * (1 + lo[m].abs() + lr[m].abs())).max())
+    M = {
+        "kl_k1": mm(lo.abs() + lr.abs()),
+        "kl_k3": mm((torch.exp(dc) + 1 + dc.abs()) * (1 + d.abs())),
+        "training_ppl": float((torch.exp(-mlo) * (1 + alo)).mean()),
+        "rollout_ppl": float((torch.exp(-mlr) * (1 + alr)).mean()),
+        "training_log_ppl": float((alo / nv).mean()),
+        "rollout_log_ppl": float((alr / nv).mean()),
+        "log_ppl_diff": float(((alo + alr) / nv).mean()),
+        "log_ppl_abs_diff": float(((alo + alr) / nv).mean()),
+        "log_ppl_diff_max": float(((alo + alr) / nv).max()),
+        "log_ppl_diff_min": float(((alo + alr) / nv).max()),
+        "ppl_ratio": float((torch.exp(di) * (1 + alo + alr)).mean()),
+        "chi2_token": mm(torch.exp(2 * dc) * (1 + 2 * d.abs())) + 1,
+        "chi2_seq": float((torch.exp(2 * s) * (1 + 2 * rsum(d.abs()))).mean()) + 1,
+        "token_mult_prob_error": mm(torch.exp(dc.abs()) * (1 + d.abs())),
+        "probs_diff_max": pmag,
+        "probs_diff_mean": pmag,
+        "probs_diff_std": 3 * pmag,
+    }
+    x, y = p_tr - p_tr.mean(), p_ro - p_ro.mean()
+    nx, ny = float(x.norm()), float(y.norm())
+    k = p_tr.numel()
+    if min(nx, ny) > 0:
+        M["probs_pearson_corr"] = 4 * math.sqrt(k) * (1 + k) * pmag / min(nx, ny)
+    T = b.mask.shape[1]
+    if cfg.rollout_is is not None:
+        w, _, factor = C.is_weights(_delta(b), m, cfg)
+        if factor is not None:
+            w = w * factor
+        amp = 1 + T * L
+        M["is_weight_mean"] = mm(w) * amp
+        M["is_ess"] = 3 * amp
+        M["is_batch_norm_factor"] = (factor or 1.0) * amp
+    return M, L, int(m.sum()) + b.mask.shape[0]
+
+
+FRACTION_PREFIXES = ("is_fraction", "is_oob", "rs_")
+
+
+def _compare_metrics(got, ref: C.CorrectionResult, b: Batch, cfg: C.CorrectionConfig, keys, context: str
+                     ) -> int:
+    """Compare the metrics in ``keys`` that the engine reports; returns how many were compared."""
+    M, L, n = _metric_magnitudes(b, cfg)
+    worst, compared, bad = 0.0, 0, []
+    for k in keys:
+        if k not in got.metrics or k not in ref.metrics:
+            continue
+        e, g = float(ref.metrics[k]), float(got.metrics[k])
+        if math.isnan(e):
+            continue  # undefined (e.g. Pearson of a constant vector): not compared
+        compared += 1
+        if k.startswith(FRACTION_PREFIXES) and k not in M:
+            mag = max(abs(e), 1.0)
+        else:
+            mag = M.get(k, abs(e))
+        bound = tolerances.corr_metric_bound(mag, n, L) + 1e-300
+        err = abs(g - e) if math.isfinite(g) else math.inf
+        worst = max(worst, err / bound)
+        if not err <= bound:
+            bad.append(f"{k}: expected {e!r} got {g!r} |err| {err:.3e} > bound {bound:.3e}")
+    record_metrics(err_over_bound=worst)
+    assert not bad, f"{context}: {len(bad)} metrics differ from the oracle:\n  " + "\n  ".join(bad)
+    return compared
+
+
+def _skip_unless_metrics(got, keys) -> None:
+    missing = [k for k in keys if k not in got.metrics]
+    if len(missing) == len(keys):
+        pytest.skip(f"engine reports none of the metrics {list(keys)}")
+
+
+OFFPOLICY_KEYS = ("kl_k1", "kl_k3", "training_ppl", "rollout_ppl", "training_log_ppl", "rollout_log_ppl",
+                  "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
+                  "chi2_token", "chi2_seq")
+PROB_KEYS = ("probs_diff_max", "probs_diff_mean", "probs_diff_std", "probs_pearson_corr")
+IS_KEYS = ("is_weight_mean", "is_ess", "is_fraction_high", "is_fraction_low", "is_fraction_truncated",
+           "is_oob_fraction", "is_batch_norm_factor")
+
+
+def _rs_keys(cfg: C.CorrectionConfig) -> list[str]:
+    keys = ["rs_masked_fraction", "rs_seq_masked_fraction"]
+    for o in cfg.rs_bounds:
+        keys += [f"rs_{o}_masked_fraction", f"rs_{o}_seq_masked_fraction"]
+    return keys
+
+
+def _full_compare(engine, b: Batch, cfg: C.CorrectionConfig, *, weights=True, mask=True, metrics=()) -> None:
+    ctx = _ctx(b, cfg)
+    got = _call(engine, b, cfg)
+    ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+    if weights and cfg.rollout_is is not None:
+        _compare_weights(got, b, cfg, ctx)
+    if mask:
+        _compare_mask(got, ref.mask, ctx)
+    if metrics:
+        _compare_metrics(got, ref, b, cfg, metrics, ctx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# IS weights: TIS, IcePop, sequence, geometric, batch normalization
+
+
+@check("CORR-TIS-001", "Token-level TIS: w_t = min(exp(clamp(δ_t, ±20)), U) on valid tokens, 0 on padding, for "
+       "hypothesis-drawn batches (single-token and empty rows, garbage padding) and thresholds U.",
+       bound="corr_weight", requires=[CAP])
+def test_token_tis_exact(engine):
+    @given(batches(), tis_thresholds())
+    def inner(b, u):
+        cfg = C.CorrectionConfig("token", u)
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-TIS-002", "The TIS bound: 0 ≤ w ≤ U on every token (before batch normalization), even for |δ| far "
+       "beyond the safety clamp (log-probs −1e4); U may be rounded to the weights' dtype.", bound="corr_weight",
+       requires=[CAP])
+def test_tis_bound(engine):
+    @given(batches(extreme=True), tis_thresholds(), st.sampled_from(["token", "sequence"]))
+    def inner(b, u, level):
+        cfg = C.CorrectionConfig(level, u)
+        got = _call(engine, b, cfg)
+        w = got.weights.detach().double()
+        m = _m(b)
+        top = u * (1 + U32)  # U itself rounded to the weights' dtype (corr_weight derivation, step 2)
+        ok = torch.where(m, (w >= 0) & (w <= top), w == 0)
+        bad = (~ok).nonzero()[:5].tolist()
+        assert not bad, f"{_ctx(b, cfg)}: weights outside [0, U={u}] (or non-zero padding) at {bad}: " \
+                        f"{[float(w[tuple(i)]) for i in bad]}"
+
+    inner()
+
+
+@check("CORR-TIS-003", "Sequence-level TIS: w_i = min(exp(clamp(Σ_t δ_t, ±20)), U) — the product of the token "
+       "ratios, clamped on the sum — broadcast to every valid token of the row.", bound="corr_weight",
+       requires=[CAP])
+def test_sequence_tis_exact(engine):
+    @given(batches(max_delta=2.0), tis_thresholds())
+    def inner(b, u):
+        _full_compare(engine, b, C.CorrectionConfig("sequence", u))
+
+    inner()
+
+
+@check("CORR-TIS-004", "TIS truncates from above only: a token with ρ = 1/(4U) keeps its weight 1/(4U), one with "
+       "ρ = 4U gets U; a row with Π ρ = 1/(4U) keeps 1/(4U) (no lower clamp at 1/U).", bound="corr_weight",
+       requires=[CAP])
+def test_tis_no_lower_truncation(engine):
+    u = 2.0
+    lr = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    lo = lr.clone()
+    lo[0, 0] = -1.0 - math.log(4 * u)
+    lo[0, 1] = -1.0 + math.log(4 * u)
+    lo[1, 0] = -2.0 - math.log(4 * u)
+    mask = torch.ones(2, 3)
+    b = Batch(lo, lr, mask, 0)
+    for level in ("token", "sequence"):
+        cfg = C.CorrectionConfig(level, u)
+        _full_compare(engine, b, cfg)
+    got = _call(engine, b, C.CorrectionConfig("token", u))
+    w = got.weights.double()
+    assert abs(float(w[0, 0]) - 1 / (4 * u)) <= 1e-6, f"ρ=1/(4U) must stay 1/(4U)=0.125, got {float(w[0, 0])}"
+
+
+@check("CORR-MIS-001", "Token IcePop/MIS with asymmetric 'lo_hi' bounds: w_t = ρ_t if lo ≤ ρ_t ≤ hi else 0; the "
+       "mask is unchanged.", bound="corr_weight", requires=[CAP])
+def test_token_icepop_exact(engine):
+    @given(batches(), icepop_bounds())
+    def inner(b, spec):
+        cfg = C.CorrectionConfig("token", spec)
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-MIS-002", "Sequence IcePop/MIS: a row whose product ratio Π ρ_t is outside [lo, hi] gets weight 0 on "
+       "every token, a row inside gets Π ρ_t; the mask is unchanged.", bound="corr_weight", requires=[CAP])
+def test_sequence_icepop_exact(engine):
+    @given(batches(max_delta=1.0), icepop_bounds())
+    def inner(b, spec):
+        cfg = C.CorrectionConfig("sequence", spec)
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-GEO-001", "Geometric-mean IS: w_i = exp(clamp(mean_t δ_t, ±20)) broadcast, then TIS or IcePop.",
+       bound="corr_weight", requires=[CAP, "rollout_correction.geometric"])
+def test_geometric_is_exact(engine):
+    @given(batches(), is_configs(levels=("geometric",)))
+    def inner(b, cfg):
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-NORM-001", "Token-level batch normalization: after truncation w ← w / μ with μ the mean weight over "
+       "valid tokens only (padding excluded), so the valid weights average 1.", bound="corr_weight",
+       requires=[CAP])
+def test_token_batch_norm_exact(engine):
+    @given(batches(), st.one_of(tis_thresholds(), icepop_bounds()))
+    def inner(b, thr):
+        cfg = C.CorrectionConfig("token", thr, rollout_is_batch_normalize=True)
+        assume(not _ambiguous(b, cfg))
+        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
+        assume(factor is not None and factor > 1e-6)
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-NORM-002", "Sequence-level batch normalization: μ is the mean of the row weights over valid rows "
+       "(empty rows and padding excluded; not token-weighted).", bound="corr_weight", requires=[CAP])
+def test_sequence_batch_norm_exact(engine):
+    @given(batches(max_delta=1.0), st.one_of(tis_thresholds(), icepop_bounds()))
+    def inner(b, thr):
+        cfg = C.CorrectionConfig("sequence", thr, rollout_is_batch_normalize=True)
+        assume(not _ambiguous(b, cfg))
+        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
+        assume(factor is not None and factor > 1e-6)
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rejection sampling
+
+
+@check("CORR-RS-001", "k2 (½δs²) and k3 (e^δs − 1 − δs) rejection at token / seq_sum / seq_mean / seq_max level "
+       "keeps a token/row iff its statistic ≤ U; the new mask equals the oracle's.", bound="corr_stat",
+       requires=[CAP])
+def test_rs_k2_k3_exact(engine):
+    @given(batches(), rs_specs(k1=False, max_options=1))
+    def inner(b, spec):
+        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-RS-002", "k1 rejection with symmetric ratio bounds (a bare float hi means lo = 1/hi): keep iff "
+       "lo ≤ ρ_t (token), lo ≤ Π ρ_t (seq_sum), lo ≤ (Π ρ_t)^(1/T) (seq_mean) ≤ hi.", bound="corr_stat",
+       requires=[CAP])
+def test_rs_k1_symmetric_exact(engine):
+    @given(batches(), rs_specs(k1=True, symmetric=True, max_options=1))
+    def inner(b, spec):
+        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-RS-003", "k1 rejection with asymmetric 'lo_hi' bounds tests the ratio ρ = π_train/π_rollout (not "
+       "its inverse): with token_k1 '0.9_4.0' a token with ρ = 3 is kept and one with ρ = 1/3 rejected; "
+       "hypothesis-drawn asymmetric bounds at every k1 level.", bound="corr_stat", requires=[CAP])
+def test_rs_k1_asymmetric_direction(engine):
+    lr = torch.full((1, 2), -2.0)
+    lo = lr + torch.tensor([[math.log(3.0), -math.log(3.0)]])
+    b = Batch(lo, lr, torch.ones(1, 2), 0)
+    for opt in ("token_k1", "seq_sum_k1", "seq_mean_k1"):
+        cfg = C.CorrectionConfig(None, rollout_rs=opt, rollout_rs_threshold="0.9_4.0")
+        got = _call(engine, b, cfg)
+        ref = C.rollout_correction(lo, lr, b.mask, cfg)
+        _compare_mask(got, ref.mask, f"fixed ρ = [3, 1/3], {opt} '0.9_4.0'")
+
+    @given(batches(), rs_specs(k1=True, symmetric=False, max_options=1))
+    def inner(b, spec):
+        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-RS-004", "Comma-combined RS options (with per-option or broadcast thresholds) reject a token iff any "
+       "option rejects it (logical AND of the keeps); duplicated options count once.", bound="corr_stat",
+       requires=[CAP])
+def test_rs_combined_exact(engine):
+    @given(batches(), rs_specs(symmetric=True, max_options=3), st.booleans())
+    def inner(b, spec, duplicate):
+        opts, thr = spec
+        if duplicate:  # the duplicate counts once, so the per-option thresholds still match the unique options
+            opts = f"{opts},{opts.split(',')[0]}"
+        cfg = C.CorrectionConfig(None, rollout_rs=opts, rollout_rs_threshold=thr)
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+@check("CORR-RS-005", "Rejection sampling changes the mask only: the IS weights with RS equal the weights without "
+       "RS, and IS alone never changes the mask.", bound="exact", requires=[CAP])
+def test_rs_masks_only(engine):
+    @given(batches(), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
+    def inner(b, is_cfg, spec):
+        cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        with_rs = _call(engine, b, cfg)
+        without = _call(engine, b, is_cfg)
+        ctx = _ctx(b, cfg)
+        assert torch.equal(with_rs.weights.detach(), without.weights.detach()), \
+            f"{ctx}: IS weights changed when RS was enabled (RS must only change the mask)"
+        assert torch.equal(without.mask, b.mask), f"{ctx}: IS without RS changed the mask"
+        _compare_mask(with_rs, C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg).mask, ctx)
+
+    inner()
+
+
+@check("CORR-RS-006", "Historical veto (rollout_token_veto_threshold τ): a row is rejected (mask zeroed) iff any "
+       "valid token has ρ_t < τ; weights are untouched.", bound="corr_stat",
+       requires=[CAP, "rollout_correction.veto"])
+def test_veto_exact(engine):
+    @given(batches(), st.integers(-300, -1).map(lambda j: math.exp((j + 0.5) / 64)))
+    def inner(b, tau):
+        cfg = C.CorrectionConfig("token", 2.0, rollout_token_veto_threshold=tau)
+        assume(not _ambiguous(b, cfg))
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# metrics
+
+
+@check("CORR-MET-001", "Off-policy metrics (k1 KL, k3 KL, training/rollout PPL and log-PPL, log_ppl_diff and its "
+       "abs/max/min, ppl_ratio, χ² token and sequence) equal the oracle's within the derived bound.",
+       bound="corr_metric", requires=[CAP])
+def test_offpolicy_metrics(engine):
+    @given(batches(empty_rows=False), is_configs(normalize=False))
+    def inner(b, cfg):
+        got = _call(engine, b, cfg)
+        _skip_unless_metrics(got, OFFPOLICY_KEYS)
+        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+        _compare_metrics(got, ref, b, cfg, OFFPOLICY_KEYS, _ctx(b, cfg))
+
+    inner()
+
+
+@check("CORR-MET-002", "IS metrics (mean applied weight, ESS, fractions above U / below the lower bound, "
+       "truncated and IcePop out-of-band fractions, batch-norm factor) equal the oracle's.", bound="corr_metric",
+       requires=[CAP])
+def test_is_metrics(engine):
+    @given(batches(empty_rows=False), is_configs())
+    def inner(b, cfg):
+        assume(not _ambiguous(b, cfg))
+        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
+        assume(factor is None or factor > 1e-6)
+        got = _call(engine, b, cfg)
+        _skip_unless_metrics(got, IS_KEYS)
+        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+        _compare_metrics(got, ref, b, cfg, IS_KEYS, _ctx(b, cfg))
+
+    inner()
+
+
+@check("CORR-MET-003", "RS metrics: the fraction of valid tokens rejected and of valid rows with a rejected token, "
+       "overall and per option, equal the oracle's.", bound="corr_metric", requires=[CAP])
+def test_rs_metrics(engine):
+    @given(batches(empty_rows=False), rs_specs(symmetric=True, max_options=3))
+    def inner(b, spec):
+        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        got = _call(engine, b, cfg)
+        keys = _rs_keys(cfg)
+        _skip_unless_metrics(got, keys)
+        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+        _compare_metrics(got, ref, b, cfg, keys, _ctx(b, cfg))
+
+    inner()
+
+
+@check("CORR-MET-004", "Probability-space mismatch metrics: max/mean/std of |π_train − π_rollout| over valid "
+       "tokens and their Pearson correlation equal the oracle's.", bound="corr_metric", requires=[CAP])
+def test_prob_metrics(engine):
+    @given(batches(empty_rows=False, max_delta=1.0))
+    def inner(b):
+        cfg = C.CorrectionConfig(None)
+        got = _call(engine, b, cfg)
+        _skip_unless_metrics(got, PROB_KEYS)
+        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+        _compare_metrics(got, ref, b, cfg, PROB_KEYS, _ctx(b, cfg))
+
+    inner()
+
+
+@check("CORR-MET-005", "NeMo-RL token_mult_prob_error = mean over valid tokens of exp(|δ_t|) equals the oracle's "
+       "(1.0 for identical policies).", bound="corr_metric", requires=[CAP])
+def test_token_mult_prob_error(engine):
+    @given(batches())
+    def inner(b):
+        cfg = C.CorrectionConfig(None)
+        got = _call(engine, b, cfg)
+        _skip_unless_metrics(got, ["token_mult_prob_error"])
+        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+        _compare_metrics(got, ref, b, cfg, ["token_mult_prob_error"], _ctx(b, cfg))
+
+    inner()
+
+
+@check("CORR-MET-006", "The normalized ESS lies in [0, 1]; when IcePop zeroes every weight it is 0 (not inf/NaN).",
+       bound="exact", requires=[CAP])
+def test_ess_range(engine):
+    lr = torch.full((2, 3), -1.0)
+    lo = lr + 3.0  # ρ = e^3 ≈ 20, outside [0.5, 5]: every weight is zeroed
+    b = Batch(lo, lr, torch.ones(2, 3), 0)
+    cfg = C.CorrectionConfig("token", "0.5_5.0")
+    got = _call(engine, b, cfg)
+    if "is_ess" not in got.metrics:
+        pytest.skip("engine reports no is_ess metric")
+    ess = float(got.metrics["is_ess"])
+    assert ess == 0.0, f"IcePop zeroed every weight: ESS must be 0, got {ess!r}"
+
+    @given(batches(), is_configs(normalize=False))
+    def inner(b, cfg):
+        e = float(_call(engine, b, cfg).metrics["is_ess"])
+        assert 0.0 <= e <= 1.0 + 1e-6, f"{_ctx(b, cfg)}: ESS {e!r} outside [0, 1]"
+
+    inner()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# properties: identity, padding, extremes, gradients, validation
+
+
+@check("CORR-ID-001", "Identity: π_train = π_rollout ⇒ every weight is 1 (TIS at any level, IcePop bands "
+       "containing 1), k1 KL = k3 KL = χ² = 0, and no RS option whose band contains 1 masks anything.",
+       bound="exact", requires=[CAP])
+def test_identity(engine):
+    @given(batches(), st.sampled_from(["token", "sequence"]), tis_thresholds(), rs_specs(max_options=3))
+    def inner(b, level, u, spec):
+        lr = b.rollout_logp
+        same = Batch(torch.where(_m(b), lr, b.train_logp), lr, b.mask, b.seed)
+        cfg = C.CorrectionConfig(level, u, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        # only bands that contain ρ = 1 (k1: lo ≤ 1 ≤ hi; k2/k3: any U > 0 since the statistic is 0)
+        assume(all(lo is None or lo <= 1.0 <= hi for lo, hi in cfg.rs_bounds.values()))
+        got = _call(engine, same, cfg)
+        ctx = _ctx(same, cfg)
+        m = _m(same)
+        w = got.weights.detach().double()
+        assert bool((w[m] == 1.0).all()), f"{ctx}: weights must be exactly 1, got {w[m][w[m] != 1][:5].tolist()}"
+        assert torch.equal(got.mask, same.mask), f"{ctx}: RS masked tokens although π_train = π_rollout"
+        for k in ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "rs_masked_fraction"):
+            if k in got.metrics:
+                assert float(got.metrics[k]) == 0.0, f"{ctx}: {k} must be 0, got {got.metrics[k]!r}"
+        ice = _call(engine, same, C.CorrectionConfig(level, "0.5_1.5"))
+        wi = ice.weights.detach().double()
+        assert bool((wi[m] == 1.0).all()), f"{ctx}: IcePop '0.5_1.5' weights must be 1"
+
+    inner()
+
+
+def _pad_columns(b: Batch, k: int, rng: np.random.Generator) -> Batch:
+    rows = b.mask.shape[0]
+    lo = torch.cat([b.train_logp, torch.from_numpy(rng.uniform(-60, 5, (rows, k)).astype(np.float32))], 1)
+    lr = torch.cat([b.rollout_logp, torch.from_numpy(rng.uniform(-60, 5, (rows, k)).astype(np.float32))], 1)
+    mask = torch.cat([b.mask, torch.zeros(rows, k, dtype=b.mask.dtype)], 1)
+    return Batch(lo, lr, mask, b.seed)
+
+
+def _metrics_equal(a: dict, b: dict, batch: Batch, cfg: C.CorrectionConfig, ctx: str) -> None:
+    """Two engine runs on inputs that differ only in padding: each metric within twice its corr_metric bound."""
+    M, L, n = _metric_magnitudes(batch, cfg)
+    bad = []
+    for k in sorted(set(a) | set(b)):
+        if k not in a or k not in b:
+            bad.append(f"{k}: reported in one run only")
+            continue
+        x, y = float(a[k]), float(b[k])
+        if x == y or (math.isnan(x) and math.isnan(y)):
+            continue
+        mag = M.get(k, max(abs(x), 1.0))
+        bound = 2 * tolerances.corr_metric_bound(mag, n + 16, L)
+        if not abs(x - y) <= bound:
+            bad.append(f"{k}: {x!r} vs {y!r} (|diff| {abs(x - y):.3e} > {bound:.3e})")
+    assert not bad, f"{ctx}: metrics changed:\n  " + "\n  ".join(bad)
+
+
+@check("CORR-PAD-001", "Padding never contributes: appending padded columns filled with garbage log-probs changes "
+       "no weight, no mask entry and no metric (beyond fp32 regrouping of the sums).", bound="corr_metric",
+       requires=[CAP])
+def test_padding_length_invariance(engine):
+    @given(batches(), is_configs(), rs_specs(symmetric=True, max_options=2), st.integers(1, 9))
+    def inner(b, is_cfg, spec, k):
+        cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        padded = _pad_columns(b, k, np.random.default_rng(b.seed))
+        g1, g2 = _call(engine, b, cfg), _call(engine, padded, cfg)
+        ctx = f"{_ctx(b, cfg)}; +{k} padded columns"
+        T = b.mask.shape[1]
+        w1, w2 = g1.weights.detach().double(), g2.weights.detach().double()
+        assert_within_bound(w2[:, :T], w1, 2 * _weight_rel(b, cfg) * w1.abs(), context=f"{ctx}: weights")
+        assert bool((w2[:, T:] == 0).all()), f"{ctx}: weights at the added padding must be 0"
+        assert torch.equal(g2.mask[:, :T], g1.mask) and not bool(g2.mask[:, T:].any()), f"{ctx}: mask changed"
+        _metrics_equal(g1.metrics, g2.metrics, b, cfg, ctx)
+
+    inner()
+
+
+@check("CORR-PAD-002", "Non-finite padding (log-probs −inf or NaN where the mask is 0) never propagates: weights "
+       "there are 0, the mask stays 0, valid weights and every metric stay finite.", bound="exact",
+       requires=[CAP])
+def test_nonfinite_padding(engine):
+    @given(batches(pad="nonfinite"), is_configs(), rs_specs(symmetric=True, max_options=2))
+    def inner(b, is_cfg, spec):
+        cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        got = _call(engine, b, cfg)
+        ctx = _ctx(b, cfg)
+        m = _m(b)
+        w = got.weights.detach()
+        bad = (~m & (w != 0)).nonzero()[:5].tolist()
+        assert not bad, f"{ctx}: weights at −inf/NaN padding must be 0; at {bad}: " \
+                        f"{[float(w[tuple(i)]) for i in bad]}"
+        assert bool(torch.isfinite(w[m]).all()), f"{ctx}: non-finite valid weights"
+        assert not bool(got.mask.double()[~m].any()), f"{ctx}: mask at padding became non-zero"
+        nonfinite = {k: v for k, v in got.metrics.items() if k not in ("probs_pearson_corr",)
+                     and not math.isfinite(float(v))}
+        assert not nonfinite, f"{ctx}: non-finite metrics {nonfinite}"
+
+    inner()
+
+
+@check("CORR-PAD-003", "An all-padding (empty) row contributes nothing: appending one changes no other row's "
+       "weight or mask and no metric (per-row means are over valid rows).", bound="corr_metric", requires=[CAP])
+def test_empty_row_invariance(engine):
+    @given(batches(empty_rows=False), is_configs(), rs_specs(symmetric=True, max_options=2))
+    def inner(b, is_cfg, spec):
+        cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        assume(not _ambiguous(b, cfg))
+        cols = b.mask.shape[1]
+        ext = Batch(torch.cat([b.train_logp, torch.full((1, cols), -3.0)]),
+                    torch.cat([b.rollout_logp, torch.full((1, cols), -1.0)]),
+                    torch.cat([b.mask, torch.zeros(1, cols, dtype=b.mask.dtype)]), b.seed)
+        g1, g2 = _call(engine, b, cfg), _call(engine, ext, cfg)
+        ctx = f"{_ctx(b, cfg)}; + one empty row"
+        w1, w2 = g1.weights.detach().double(), g2.weights.detach().double()
+        assert_within_bound(w2[:-1], w1, 2 * _weight_rel(b, cfg) * w1.abs(), context=f"{ctx}: weights")
+        assert torch.equal(g2.mask[:-1], g1.mask), f"{ctx}: mask changed"
+        _metrics_equal(g1.metrics, g2.metrics, b, cfg, ctx)
+
+    inner()
+
+
+@check("CORR-EDGE-001", "Extreme log-probs (−1e4 on valid tokens, |δ| up to 1e4, beyond the ±20 safety clamp): "
+       "weights and every metric except the two perplexities (whose true value e^1e4 is not representable) are "
+       "finite; weights equal the oracle's.", bound="corr_weight", requires=[CAP])
+def test_extreme_values(engine):
+    @given(batches(extreme=True), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
+    def inner(b, is_cfg, spec):
+        cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        got = _call(engine, b, cfg)
+        ctx = _ctx(b, cfg)
+        assert bool(torch.isfinite(got.weights.detach()).all()), f"{ctx}: non-finite weights"
+        nonfinite = {k: v for k, v in got.metrics.items()
+                     if k not in C.PERPLEXITY_METRICS + ("probs_pearson_corr",) and not math.isfinite(float(v))}
+        assert not nonfinite, f"{ctx}: non-finite metrics {nonfinite}"
+        if not _ambiguous(b, cfg):
+            _compare_weights(got, b, cfg, ctx)
+
+    inner()
+
+
+@check("CORR-GRAD-001", "IS weights are detached: with log π_train requiring grad, the returned weights carry no "
+       "gradient (every level, TIS/IcePop, with and without batch normalization).", bound="exact",
+       requires=[CAP])
+def test_weights_detached(engine):
+    b = make_batch(7, 4, 9, max_delta=1.0, empty_rows=False)
+    for cfg in (C.CorrectionConfig("token", 2.0), C.CorrectionConfig("sequence", 2.0),
+                C.CorrectionConfig("token", "0.5_5.0", rollout_is_batch_normalize=True),
+                C.CorrectionConfig("sequence", 3.0, rollout_is_batch_normalize=True)):
+        lo = b.train_logp.clone().requires_grad_(True)
+        got = engine.rollout_correction(lo, b.rollout_logp, b.mask, cfg)
+        w = got.weights
+        assert not w.requires_grad and w.grad_fn is None, \
+            f"rollout_is={cfg.rollout_is} threshold={cfg.rollout_is_threshold!r}: weights carry a gradient " \
+            f"(grad_fn {w.grad_fn})"
+
+
+@check("CORR-VAL-001", "Invalid inputs are rejected: an all-zero mask and mismatched shapes raise an error instead "
+       "of returning weights.", bound="exact", requires=[CAP])
+def test_invalid_inputs_rejected(engine):
+    b = make_batch(3, 2, 5, empty_rows=False)
+    cfg = C.CorrectionConfig("token", 2.0)
+    with pytest.raises(EngineError, match="ValueError|AssertionError"):
+        engine.rollout_correction(b.train_logp, b.rollout_logp, torch.zeros_like(b.mask), cfg)
+    with pytest.raises(EngineError, match="ValueError|AssertionError"):
+        engine.rollout_correction(b.train_logp[:, :4], b.rollout_logp, b.mask, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loss application
+
+
+def _loss_case(seed: int, kind: str, agg: str):
+    b = make_batch(seed, 5, 11, max_delta=1.0, empty_rows=True)
+    r = np.random.default_rng(seed + 1)
+    m = _m(b)
+    logp = torch.where(m, b.train_logp + torch.from_numpy(r.normal(0, 0.3, b.mask.shape).astype(np.float32)),
+                       torch.zeros(()))
+    adv = torch.from_numpy(r.normal(0, 1, b.mask.shape).astype(np.float32))
+    w, _, _ = C.is_weights(_delta(b), m, C.CorrectionConfig("token", 2.0))
+    return b, logp, adv, w.float(), C.LossConfig(kind=kind, agg=agg, clip_ratio_c=3.0)
+
+
+def _check_loss(engine, kind: str) -> None:
+    for seed in range(3):
+        for agg in C.LOSS_AGG_MODES:
+            b, logp, adv, w, lcfg = _loss_case(seed, kind, agg)
+            m = _m(b)
+            x = logp.clone().requires_grad_(True)
+            got = engine.correction_loss(x, b.train_logp, adv, b.mask, w, lcfg)
+            assert isinstance(got, torch.Tensor) and got.dim() == 0, f"{kind}/{agg}: expected a scalar tensor"
+            (g_grad,) = torch.autograd.grad(got, x)
+            xr = logp.clone().double().requires_grad_(True)
+            ref = C.policy_loss(xr, b.train_logp, adv, b.mask, w, lcfg)
+            (r_grad,) = torch.autograd.grad(ref, xr)
+            n = int(m.sum())
+            L = float(torch.where(m, (logp - b.train_logp).abs() + logp.abs(), torch.zeros(())).max())
+            zero = torch.zeros((), dtype=torch.float64)
+            if kind == "ppo_clip":
+                per = C.ppo_clip_token_loss(logp.double(), b.train_logp.double(), adv.double(), lcfg)
+            else:
+                per = -adv.double() * logp.double()
+            mag = float(C.aggregate(torch.where(m, (per * w.double()).abs(), zero), b.mask, agg)) * 4 + 1e-30
+            ctx = f"{kind} loss, agg {agg}, seed {seed}"
+            assert_within_bound(got.detach(), ref.detach(), tolerances.corr_loss_bound(mag, n, L),
+                                context=f"{ctx}: loss")
+            gmag = float(r_grad.abs().max()) * 4 + 1e-30
+            assert_within_bound(g_grad, r_grad, tolerances.corr_loss_bound(gmag, n, L), context=f"{ctx}: ∂loss/∂logp")
+
+
+@check("CORR-LOSS-001", "PPO-clip with dual clip × w: L = agg_t[w_t · max(−A r, −A clip(r, 1−ε_lo, 1+ε_hi)) "
+       "(min with −A·c for A < 0)] for token-mean / seq-mean-token-mean / seq-mean-token-sum, and ∂L/∂log π treats "
+       "w as a constant.", bound="corr_loss", requires=["rollout_correction.loss"])
+def test_ppo_clip_loss(engine):
+    _check_loss(engine, "ppo_clip")
+
+
+@check("CORR-LOSS-002", "REINFORCE × w: L = agg_t[−A_t · log π_t · w_t] and ∂L/∂log π = −A·w/count.",
+       bound="corr_loss", requires=["rollout_correction.loss"])
+def test_reinforce_loss(engine):
+    _check_loss(engine, "reinforce")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# statistical: KL estimators
+
+
+def _kl_case(rng: np.random.Generator, vocab: int, temp: float):
+    p = rng.dirichlet(np.full(vocab, 1.0 / temp))
+    q = p * np.exp(rng.normal(0, 0.35, vocab))
+    q /= q.sum()
+    return p, q  # p = π_rollout (sampling), q = π_train
+
+
+@check("CORR-STAT-001", "The k1 (mean of log π_rollout − log π_train) and k3 (mean of ρ − 1 − log ρ) KL metrics "
+       "are unbiased: on tokens sampled from a known categorical π_rollout they fall within z·σ/√n of the exact "
+       "KL(π_rollout‖π_train).", bound="corr_kl_stat_z", requires=[CAP])
+def test_kl_estimators_stat(engine, rng):
+    z = tolerances.get("corr_kl_stat_z").value
+    for vocab, temp in ((8, 1.0), (32, 0.5)):
+        p, q = _kl_case(rng, vocab, temp)
+        lp, lq = np.log(p), np.log(q)
+        kl = float(np.sum(p * (lp - lq)))
+        x1 = lp - lq
+        x3 = np.exp(lq - lp) - 1 - (lq - lp)
+        for key, x in (("kl_k1", x1), ("kl_k3", x3)):
+            mu = float(np.sum(p * x))
+            sd = math.sqrt(float(np.sum(p * (x - mu) ** 2)))
+            n = min(int(math.ceil((10 * z * sd / kl) ** 2)), 200_000)
+            tokens = rng.choice(vocab, size=n, p=p)
+            rows = 100
+            cols = int(math.ceil(n / rows))
+            lr = np.zeros(rows * cols)
+            lo = np.zeros(rows * cols)
+            lr[:n], lo[:n] = lp[tokens], lq[tokens]
+            mask = (np.arange(rows * cols) < n).astype(np.float32).reshape(rows, cols)
+            got = _call(engine, Batch(torch.from_numpy(lo.reshape(rows, cols).astype(np.float32)),
+                                      torch.from_numpy(lr.reshape(rows, cols).astype(np.float32)),
+                                      torch.from_numpy(mask), 0), C.CorrectionConfig(None))
+            if key not in got.metrics:
+                pytest.skip(f"engine reports no {key}")
+            est = float(got.metrics[key])
+            half = z * sd / math.sqrt(n)
+            record_metrics(err_over_bound=abs(est - kl) / half)
+            assert abs(est - kl) <= half, (f"{key}: estimate {est:.6g} vs true KL {kl:.6g} (vocab {vocab}, n {n}): "
+                                           f"|err| {abs(est - kl):.3g} > z·σ/√n = {half:.3g}")

@@ -1,0 +1,144 @@
+"""Area ``weight_sync``: the FP8 checkpoint an engine's per-step weight sync produces (paper §1.3–1.4).
+
+For the tiny dense and MoE fixtures (BF16, HF checkpoint names), the engine's ``weight_sync`` must return FP8
+codes + ``*_weight_scale_inv`` fp32 dequant scales (128×128 blocks, ceil-div shapes) for every attention/MLP/expert
+projection — bit-exact vs the oracle under the engine's declared ``scale_policy("block")`` — and must keep the
+embeddings, ``lm_head``, every norm and the MoE router in BF16, untouched. The dense fixture has hidden size 320:
+every projection has a partial edge block and several have non-square scale grids.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+
+import fp8rl.mutants_e2e  # noqa: F401  (registers the weight-sync / e2e mutants when the checks load)
+from fp8rl import fixtures, tolerances
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.engine import EngineError
+from fp8rl.reference import weight_sync as ws
+from fp8rl.reference.quant import Granularity, ScalePolicy
+
+MODELS = pytest.mark.parametrize("model", fixtures.TINY_MODELS)
+
+#: the tensors that must stay BF16 (spec, independent of the engine): name pattern → why
+KEEP_BF16 = {
+    r"(^|\.)embed_tokens\.weight$": "embeddings",
+    r"(^|\.)lm_head\.weight$": "lm_head (its logits feed sampling directly)",
+    r"norm\.weight$": "norms (RMSNorm, QK-norm)",
+    r"(^|\.)mlp\.gate\.weight$": "the MoE router mlp.gate",
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
+    return ws.quantize_state_dict(fixtures.tiny_model(model).state_dict, ws.WeightSyncRecipe(policy=policy))
+
+
+def _synced(engine, model: str) -> dict[str, torch.Tensor]:
+    out = engine.weight_sync(fixtures.tiny_model(model).state_dict)
+    if not isinstance(out, dict):
+        raise EngineError(f"{engine.name}.weight_sync returned {type(out).__name__}, expected a dict")
+    bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise EngineError(f"{engine.name}.weight_sync: entries that are not str → Tensor: {bad[:3]}")
+    return out
+
+
+def _expected_names(model: str) -> list[str]:
+    return ws.quantized_names(fixtures.tiny_model(model).state_dict)
+
+
+@MODELS
+@check("WSYNC-EXACT-001", "Every quantized projection (q/k/v/o, gate/up/down, each expert's) has FP8 codes and "
+       "*_weight_scale_inv dequant scales equal to the oracle's 128x128 block quantization of the BF16 weight "
+       "under the engine's declared block policy, bit for bit (partial edge blocks and non-square scale grids "
+       "included).", requires=["weight_sync"])
+def test_weight_sync_exact(engine, model):
+    got = _synced(engine, model)
+    policy = engine.scale_policy("block")
+    want = _oracle_sync(model, policy)
+    names = _expected_names(model)
+    for name in names:
+        sname = ws.scale_name(name)
+        if name not in got or sname not in got:
+            raise AssertionError(f"{model}: {name} is not quantized by weight sync (missing "
+                                 f"{'weight' if name not in got else sname})")
+        g_w, g_s = got[name], got[sname]
+        if g_w.dtype != want[name].dtype or g_s.dtype != torch.float32 or g_s.shape != want[sname].shape:
+            raise AssertionError(f"{model}: {name}: got {g_w.dtype} {tuple(g_w.shape)} + scale {g_s.dtype} "
+                                 f"{tuple(g_s.shape)}, expected {want[name].dtype} + float32 "
+                                 f"{tuple(want[sname].shape)}")
+        assert_tensors_equal(g_s, want[sname], context=f"{model}: {sname} ({policy.name})")
+        assert_codes_equal(g_w.contiguous().view(torch.uint8), want[name].view(torch.uint8), policy.fmt,
+                           context=f"{model}: {name} codes ({policy.name})",
+                           inputs=fixtures.tiny_model(model).state_dict[name].float())
+
+
+@MODELS
+@check("WSYNC-NAMES-001", "The synced state dict has exactly the checkpoint's names plus one '<name>_scale_inv' "
+       "per quantized weight; FP8 weights are torch.float8_e4m3fn of the weight's shape and every scale is "
+       "float32 of shape (ceil(N/128), ceil(K/128)).", requires=["weight_sync"])
+def test_weight_sync_names_and_shapes(engine, model):
+    sd = fixtures.tiny_model(model).state_dict
+    got = _synced(engine, model)
+    names = _expected_names(model)
+    want_keys = set(sd) | {ws.scale_name(n) for n in names}
+    missing, extra = sorted(want_keys - set(got)), sorted(set(got) - want_keys)
+    assert not missing and not extra, f"{model}: names differ: missing {missing[:6]}, unexpected {extra[:6]}"
+    g = Granularity.block(128)
+    problems = []
+    for n in names:
+        w, s = got[n], got[ws.scale_name(n)]
+        want_s = g.scale_shape(tuple(sd[n].shape))
+        if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != tuple(sd[n].shape):
+            problems.append(f"{n}: {w.dtype} {tuple(w.shape)}, expected torch.float8_e4m3fn {tuple(sd[n].shape)}")
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(want_s):
+            problems.append(f"{ws.scale_name(n)}: {s.dtype} {tuple(s.shape)}, expected torch.float32 {want_s}")
+    assert not problems, f"{model}: {len(problems)} tensors with wrong dtype/shape: " + "; ".join(problems[:6])
+
+
+@MODELS
+@check("WSYNC-EXCL-001", "Embeddings, lm_head, every norm (incl. QK-norm) and the MoE router mlp.gate are "
+       "shipped unchanged in BF16 (bit-identical to the trainer's weights) and get no scale: quantizing the "
+       "router or lm_head fails.", requires=["weight_sync"])
+def test_weight_sync_keeps_bf16(engine, model):
+    sd = fixtures.tiny_model(model).state_dict
+    got = _synced(engine, model)
+    kept = {n: why for n in sd for pat, why in KEEP_BF16.items() if re.search(pat, n)}
+    assert any("router" in why for why in kept.values()) or not fixtures.tiny_model(model).is_moe
+    bad = []
+    for n, why in sorted(kept.items()):
+        t = got.get(n)
+        if t is None:
+            bad.append(f"{n} ({why}): missing")
+        elif ws.scale_name(n) in got or t.dtype != torch.bfloat16:
+            bad.append(f"{n} ({why}): shipped as {t.dtype}" + (" with a scale" if ws.scale_name(n) in got else "")
+                       + ", must stay BF16")
+        elif t.shape != sd[n].shape or not torch.equal(t.view(torch.int16), sd[n].view(torch.int16)):
+            bad.append(f"{n} ({why}): BF16 values changed")
+    assert not bad, f"{model}: {len(bad)} tensors that must stay BF16 do not: " + "; ".join(bad[:6])
+
+
+@MODELS
+@check("WSYNC-BOUND-001", "Whatever the declared policy, each dequantized synced weight (fp8 · block scale) is "
+       "within the quantization round-trip bound of the BF16 weight.", bound="quant_roundtrip",
+       requires=["weight_sync"])
+def test_weight_sync_dequant_bound(engine, model):
+    sd = fixtures.tiny_model(model).state_dict
+    got = _synced(engine, model)
+    g = Granularity.block(128)
+    try:
+        qts = ws.synced_tensors(got, (128, 128))
+    except ValueError as exc:
+        raise AssertionError(f"{model}: synced tensors are not FP8 + 128x128 block scales: {exc}") from None
+    for name, qt in qts.items():
+        if name not in sd:
+            continue
+        x = sd[name].float()
+        scale_full = qt.expanded_scale()
+        bound = tolerances.quant_roundtrip_bound(x.abs(), scale_full, qt.fmt)
+        assert_within_bound(qt.dequantize(torch.float64), x, bound, context=f"{model}: {name} ({g.label})")

@@ -1,0 +1,176 @@
+"""Rollout-correction mutants: the reference engine with one realistic IS/RS bug each (area ``correction``).
+
+Imported by :mod:`fp8rl.mutants` (and by ``conformance/test_correction.py``) so that they register with the
+``@mutant`` decorator. Most mutants run the oracle with one of its module-level helpers swapped for a buggy one
+(the oracle looks its helpers up at call time), which is how such bugs arise in real code: one wrong line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.mutants import mutant
+from fp8rl.reference import correction as C
+
+
+@contextlib.contextmanager
+def _patched(**attrs) -> Iterator[None]:
+    """Temporarily replace module attributes of the oracle (single-threaded use; restored on exit)."""
+    old = {k: getattr(C, k) for k in attrs}
+    try:
+        for k, v in attrs.items():
+            setattr(C, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(C, k, v)
+
+
+class _CorrectionMutant(ReferenceEngine):
+    """Reference engine whose rollout_correction runs the oracle under ``_patches()``."""
+
+    def _patches(self) -> dict:
+        return {}
+
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        with _patched(**self._patches()):
+            return C.rollout_correction(train_logp, rollout_logp, mask, config)
+
+
+@mutant("corr-inverted-ratio", "IS ratio inverted: ρ = π_rollout/π_train (δ = log π_rollout − log π_train)",
+        "correction")
+class InvertedRatio(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        return C.rollout_correction(rollout_logp, train_logp, mask, config)
+
+
+@mutant("corr-no-truncation", "TIS weights not truncated at U (w = ρ)", "correction")
+class NoTruncation(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        if config.rollout_is is None or config.icepop:
+            return C.rollout_correction(train_logp, rollout_logp, mask, config)
+        res = C.rollout_correction(train_logp, rollout_logp, mask, config)
+        loose = C.rollout_correction(train_logp, rollout_logp, mask, replace(config, rollout_is_threshold=1e30))
+        res.weights = loose.weights
+        return res
+
+
+@mutant("corr-two-sided-clamp", "TIS clamps weights to [1/U, U] instead of truncating from above only",
+        "correction")
+class TwoSidedClamp(_CorrectionMutant):
+    def _patches(self):
+        orig = C.is_weights
+
+        def is_weights(delta, m, cfg):
+            w, raw, factor = orig(delta, m, cfg)
+            if cfg.icepop:
+                return w, raw, factor
+            hi = cfg.is_upper
+            w2 = torch.where(m, raw.clamp(1.0 / hi, hi), 0.0)
+            if factor is not None:
+                f = C.batch_norm_factor(w2, m, cfg.rollout_is)
+                w2 = w2 / f if f > C.NORM_EPS else w2
+                factor = f if f > C.NORM_EPS else 1.0
+            return w2, raw, factor
+
+        return {"is_weights": is_weights}
+
+
+@mutant("corr-padding-in-means", "metric means taken over all B·T positions (padding zero-filled) instead of the "
+        "valid tokens", "correction")
+class PaddingInMeans(_CorrectionMutant):
+    def _patches(self):
+        def _mm(x, m):
+            return torch.where(m, x, 0.0).sum() / m.numel()
+
+        def _row_mean(x, m):
+            return torch.where(m, x, 0.0).sum(-1) / m.shape[-1]
+
+        return {"_mm": _mm, "_row_mean": _row_mean}
+
+
+@mutant("corr-seq-sum-of-ratios", "sequence IS weight computed as the sum of token ratios instead of their product",
+        "correction")
+class SeqSumOfRatios(_CorrectionMutant):
+    def _patches(self):
+        orig = C.raw_log_weights
+
+        def raw_log_weights(delta, m, level):
+            if level != "sequence":
+                return orig(delta, m, level)
+            s = torch.where(m, torch.exp(delta.clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)), 0.0).sum(-1)
+            return torch.log(s.clamp_min(1e-300)).clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND).unsqueeze(-1).expand_as(
+                delta)
+
+        return {"raw_log_weights": raw_log_weights}
+
+
+@mutant("corr-weights-not-detached", "IS weights keep the autograd graph of log π_train (missing .detach())",
+        "correction")
+class WeightsNotDetached(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        res = C.rollout_correction(train_logp, rollout_logp, mask, config)
+        if res.weights is not None and train_logp.requires_grad:
+            # same values, but d w / d log π_train = w (a token weight computed without detach)
+            m = mask.detach() != 0
+            res.weights = res.weights * torch.exp(torch.where(m, train_logp - train_logp.detach(), 0.0))
+        return res
+
+
+@mutant("corr-no-safety-clamp", "no ±20 clamp on log-ratios before exp (overflow to inf, RS statistics unclamped)",
+        "correction")
+class NoSafetyClamp(_CorrectionMutant):
+    def _patches(self):
+        return {"SAFETY_BOUND": math.inf}
+
+
+@mutant("corr-k3-wrong-sign", "k3 computed with the inverse ratio: e^{-δ} − 1 + δ (KL metric and RS statistic)",
+        "correction")
+class K3WrongSign(_CorrectionMutant):
+    def _patches(self):
+        orig = C.rs_token_stats
+
+        def rs_token_stats(delta):
+            out = orig(delta)
+            ds = delta.clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+            out["k3"] = torch.expm1(-ds) + ds
+            return out
+
+        return {"rs_token_stats": rs_token_stats}
+
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        res = super().rollout_correction(train_logp, rollout_logp, mask, config)
+        m = mask.detach() != 0
+        d = C.log_ratio(train_logp, rollout_logp, mask).clamp(-C.SAFETY_BOUND, C.SAFETY_BOUND)
+        res.metrics["kl_k3"] = float(C._mm(torch.expm1(-d) + d, m))
+        return res
+
+
+@mutant("corr-rs-on-weights", "rejection sampling zeroes the IS weights instead of the mask", "correction")
+class RsOnWeights(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        res = C.rollout_correction(train_logp, rollout_logp, mask, config)
+        if res.weights is not None:
+            res.weights = res.weights * res.mask.to(res.weights.dtype)
+        res.mask = mask.clone()
+        return res
+
+
+@mutant("corr-batch-norm-padding", "batch normalization averages over padded positions too", "correction")
+class BatchNormPadding(_CorrectionMutant):
+    def _patches(self):
+        def batch_norm_factor(w, m, level):
+            if level == "token":
+                return float(w.mean())
+            return float(w.amax(-1).mean())
+
+        return {"batch_norm_factor": batch_norm_factor}
+
+
+__all__ = ["BatchNormPadding", "InvertedRatio", "K3WrongSign", "NoSafetyClamp", "NoTruncation", "PaddingInMeans",
+           "RsOnWeights", "SeqSumOfRatios", "TwoSidedClamp", "WeightsNotDetached"]

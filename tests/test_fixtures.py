@@ -1,0 +1,155 @@
+"""The shipped fixtures: manifest, tokenizer, prompts, tiny-model configs and weights, published configs, cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fp8rl import fixtures as F
+from fp8rl.reference.quant import Granularity
+
+
+def test_manifest_lists_every_shipped_file_with_its_sha256():
+    assert F.verify_manifest() == []
+    files = F.load_manifest()["files"]
+    for must in ("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "tokenizer/corpus.txt",
+                 "prompts.json", "tiny_models.json", "models/tiny-qwen3/config.json",
+                 "models/tiny-qwen3-moe/config.json", "published/Qwen3-8B/config.json",
+                 "published/Qwen3-30B-A3B/config.json"):
+        assert must in files, must
+
+
+def test_manifest_detects_a_changed_file(tmp_path, monkeypatch):
+    import shutil
+
+    root = tmp_path / "fixtures"
+    shutil.copytree(F.FIXTURE_DIR, root, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    monkeypatch.setattr(F, "FIXTURE_DIR", root)
+    assert F.verify_manifest() == []
+    (root / "prompts.json").write_text((root / "prompts.json").read_text() + " ")
+    (root / "extra.json").write_text("{}")
+    problems = F.verify_manifest()
+    assert any(p.startswith("prompts.json: sha256") for p in problems), problems
+    assert any(p.startswith("extra.json: not in the manifest") for p in problems), problems
+
+
+def test_generated_weights_match_the_recorded_digests():
+    """numpy's PCG64 streams (and the init recipe) fix the weights every mismatch budget was measured on."""
+    want = F.load_manifest()["generated"]
+    assert set(want) == {f"{n}/{v}" for n in F.TINY_MODELS for v in ("base", "update")}
+    for key, digest in want.items():
+        name, variant = key.split("/")
+        spec = F.tiny_model_spec(name)
+        sd = F.generate_state_dict(F.model_config(name), int(spec["seed"]), spec["init"],
+                                   spec["update"] if variant == "update" else None)
+        assert F.digest_state_dict(sd) == digest, f"{key}: generated weights changed (bump GENERATOR_VERSION, " \
+            "re-measure the e2e budgets, rewrite the manifest)"
+
+
+def test_tokenizer_is_rebuilt_byte_for_byte_from_the_corpus():
+    built = F.build_tokenizer()
+    shipped = F.fixture_path("tokenizer", "tokenizer.json").read_text()
+    assert json.loads(built.to_str()) == json.loads(shipped)
+    assert built.get_vocab_size() == F.TOKENIZER_VOCAB == 512
+
+
+def test_tokenizer_loads_offline_and_prompts_are_its_token_ids():
+    tok = F.load_tokenizer()
+    assert tok.eos_token_id == 0 and tok.pad_token_id == 0 and len(tok) == 512
+    doc = F.prompts()
+    p = doc["prompt_len"]
+    for row in doc["prompts"]:
+        assert tok(row["text"]).input_ids[:p] == row["ids"]
+    ids = F.prompt_ids()
+    assert ids.dtype == torch.int64 and ids.shape == (len(doc["prompts"]), p)
+    assert tok.decode(ids[0]).startswith("The rollout engine")
+
+
+def test_tokenizer_dir_loads_with_autotokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(F.tokenizer_dir()), local_files_only=True)
+    assert tok("The policy").input_ids == F.load_tokenizer()("The policy").input_ids
+
+
+@pytest.mark.parametrize("name", F.TINY_MODELS)
+def test_tiny_configs_build_the_transformers_model_with_the_checkpoint_names(name):
+    from fp8rl.reference.rollout import build_hf_model, to_model_state_dict
+
+    m = F.tiny_model(name)
+    model = build_hf_model(m.config)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in to_model_state_dict(m.state_dict).items()}
+    assert got == want
+    assert all(t.dtype == torch.bfloat16 for t in m.state_dict.values())
+    assert type(model).__name__ == m.config["architectures"][0]
+
+
+def test_tiny_dims_exercise_edge_blocks_groups_and_non_square_grids():
+    dense = F.tiny_model("tiny-qwen3").state_dict
+    g = Granularity.block(128)
+    shapes = {n.split(".", 3)[-1]: tuple(t.shape) for n, t in dense.items() if n.startswith("model.layers.0.")}
+    assert shapes["self_attn.q_proj.weight"] == (256, 320) and g.scale_shape((256, 320)) == (2, 3)
+    assert shapes["self_attn.o_proj.weight"] == (320, 256) and g.scale_shape((320, 256)) == (3, 2)
+    assert shapes["mlp.down_proj.weight"] == (320, 384)
+    assert any(d % 128 for s in shapes.values() if len(s) == 2 for d in s)  # partial edge blocks / 1x128 groups
+    moe = F.tiny_model("tiny-qwen3-moe")
+    assert moe.is_moe and "model.layers.0.mlp.gate.weight" in moe.state_dict
+    experts = [n for n in moe.state_dict if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3
+    assert all(d % 128 == 0 for t in moe.state_dict.values() if t.dim() == 2 for d in t.shape)  # aligned case
+
+
+def test_update_variant_grows_k_and_v_and_changes_every_projection():
+    base, upd = F.tiny_model("tiny-qwen3"), F.tiny_model("tiny-qwen3", "update")
+    b, u = base.state_dict, upd.state_dict
+    k = "model.layers.0.self_attn."
+    torch.testing.assert_close(u[k + "k_norm.weight"].float(), b[k + "k_norm.weight"].float() * 8, rtol=1e-2, atol=0)
+    torch.testing.assert_close(u[k + "q_norm.weight"].float(), b[k + "q_norm.weight"].float() / 8, rtol=1e-2, atol=0)
+    for n, t in b.items():
+        if t.dim() == 2:
+            assert not torch.equal(t, u[n]), n
+
+
+def test_weights_are_cached_under_fp8rl_cache_and_regenerated_when_corrupt(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8RL_CACHE", str(tmp_path / "c"))
+    assert F.cache_dir() == tmp_path / "c"
+    F._tiny_model_cached.cache_clear()
+    try:
+        m = F.tiny_model("tiny-qwen3")
+        assert m.path.parent == tmp_path / "c" / "fixtures"
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
+            {p.name for p in m.path.iterdir()}
+        assert json.loads((m.path / "config.json").read_text()) == F.model_config("tiny-qwen3")
+        F._tiny_model_cached.cache_clear()
+        assert F.tiny_model("tiny-qwen3").digest == m.digest  # served from disk
+        f = m.path / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-10] ^= 0xFF
+        f.write_bytes(bytes(data))
+        F._tiny_model_cached.cache_clear()
+        assert F.tiny_model("tiny-qwen3").digest == m.digest  # corrupt file detected and regenerated
+    finally:
+        F._tiny_model_cached.cache_clear()
+
+
+def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("FP8RL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert F.cache_dir() == tmp_path / "fp8rl"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert F.cache_dir().parts[-2:] == (".cache", "fp8rl")
+
+
+def test_published_configs():
+    q8 = F.published_config("Qwen3-8B")
+    assert (q8["hidden_size"], q8["intermediate_size"], q8["num_hidden_layers"], q8["num_attention_heads"],
+            q8["num_key_value_heads"], q8["head_dim"], q8["vocab_size"]) == (4096, 12288, 36, 32, 8, 128, 151936)
+    q30 = F.published_config("Qwen3-30B-A3B")
+    assert (q30["hidden_size"], q30["moe_intermediate_size"], q30["num_experts"], q30["num_experts_per_tok"],
+            q30["num_hidden_layers"], q30["num_key_value_heads"], q30["head_dim"]) == (2048, 768, 128, 8, 48, 4, 128)
+    assert F.model_config("Qwen3-8B") == q8 and F.published_config_path("Qwen3-8B").name == "config.json"
+    with pytest.raises(ValueError, match="unknown"):
+        F.model_config("Qwen3-0.6B")

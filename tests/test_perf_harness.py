@@ -1,0 +1,194 @@
+"""The rollout throughput harness against in-test engines that implement the documented ``rollout`` interface.
+
+No timing assertions: the fake engines return instantly; only structure, order, validation and exit codes are
+checked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8rl.engine import Engine
+from fp8rl.perf import harness
+from fp8rl.perf.results import ResultError, ingest_vllm, load_result, validate, write_result
+
+
+class FakeRolloutEngine(Engine):
+    """Implements ``rollout`` exactly as documented in fp8rl.perf.harness; records every call."""
+
+    name = "fake-rollout"
+
+    def __init__(self, short_config: str | None = None, unsupported: dict | None = None,
+                 as_mapping: bool = True) -> None:
+        self.calls: list[tuple[str, int, tuple]] = []
+        self.short_config = short_config
+        self.unsupported = unsupported or {}
+        self.as_mapping = as_mapping
+
+    def version(self) -> str:
+        return "fake 1.0"
+
+    def capabilities(self):
+        caps = {"rollout": True}
+        caps.update({f"rollout.{k}": v for k, v in self.unsupported.items()})
+        return caps
+
+    def rollout(self, model, prompts, *, config, max_new_tokens, ignore_eos=True, seed=0):
+        assert ignore_eos is True
+        self.calls.append((config, max_new_tokens, tuple(map(tuple, prompts))))
+        n = max_new_tokens - 3 if config == self.short_config else max_new_tokens
+        toks = [[7] * n for _ in prompts]
+        if not self.as_mapping:
+            return toks
+        kv = 1000 if config in ("bf16", "fp8-linear") else 2000
+        return {"tokens": toks, "stats": {"kv_capacity_tokens": kv}}
+
+
+class NoRolloutEngine(Engine):
+    name = "no-rollout"
+
+    def capabilities(self):
+        return {"cast.e4m3fn": True, "rollout": "generation is not implemented by this engine (e2e area pending)"}
+
+
+def make_fake():
+    return FakeRolloutEngine()
+
+
+def make_eos_fake():
+    return FakeRolloutEngine(short_config="fp8-kv")
+
+
+def make_no_rollout():
+    return NoRolloutEngine()
+
+
+def _run(engine, **kw):
+    args = dict(model="tiny", configs=["bf16", "fp8-kv"], batch=3, prompt_len=5, gen_len=4, repeats=3, warmup=1,
+                seed=1, vocab_size=50)
+    args.update(kw)
+    return harness.run_benchmark(engine, **args)
+
+
+def test_interleaved_paired_repeats_same_prompts():
+    eng = FakeRolloutEngine()
+    res = _run(eng)
+    validate(res)
+    # warm-up: one per config, then A B A B A B
+    assert [c[0] for c in eng.calls] == ["bf16", "fp8-kv"] + ["bf16", "fp8-kv"] * 3
+    assert len({c[2] for c in eng.calls}) == 1  # identical prompts for every call
+    prompts = eng.calls[0][2]
+    assert len(prompts) == 3 and all(len(p) == 5 and all(3 <= t < 50 for t in p) for p in prompts)
+    assert [(r["config"], r["repeat"], r["seq"]) for r in res["runs"]] == [
+        ("bf16", 0, 0), ("fp8-kv", 0, 1), ("bf16", 1, 2), ("fp8-kv", 1, 3), ("bf16", 2, 4), ("fp8-kv", 2, 5)]
+    r0 = res["runs"][0]
+    assert r0["tokens"] == 12 and r0["valid"] and r0["throughput"] > 0 and r0["wall_s"] > 0
+    assert r0["kv_capacity_tokens"] == 1000 and res["runs"][1]["kv_capacity_tokens"] == 2000
+    assert r0["peak_memory_bytes"] is None or r0["peak_memory_bytes"] > 0
+    assert res["summary"]["fp8-kv"]["valid_runs"] == 3
+    assert res["workload"] == {"batch": 3, "prompt_len": 5, "gen_len": 4, "repeats": 3, "warmup": 1, "seed": 1,
+                               "order": "interleaved", "ignore_eos": True, "vocab_size": 50}
+    env = res["environment"]
+    for key in ("python", "cpu", "torch", "numpy", "platform", "gpus", "engine"):
+        assert key in env
+    assert env["engine"] == {"name": "fake-rollout", "version": "fake 1.0"}
+    assert res["engine"]["version"] == "fake 1.0" and res["baseline_config"] == "bf16"
+
+
+def test_abba_order_and_plain_list_return():
+    eng = FakeRolloutEngine(as_mapping=False)
+    res = _run(eng, configs=["bf16", "fp8-linear", "fp8-all"], order="abba", warmup=0, repeats=2)
+    assert [c[0] for c in eng.calls] == ["bf16", "fp8-linear", "fp8-all", "fp8-all", "fp8-linear", "bf16"]
+    assert all(r["kv_capacity_tokens"] is None for r in res["runs"])
+
+
+def test_short_responses_mark_runs_invalid():
+    res = _run(FakeRolloutEngine(short_config="fp8-kv"))
+    bad = [r for r in res["runs"] if not r["valid"]]
+    assert len(bad) == 3 and all(r["config"] == "fp8-kv" for r in bad)
+    assert "shorter than gen_len=4" in bad[0]["problems"][0]
+
+
+def test_capability_missing_or_config_unsupported():
+    with pytest.raises(harness.RolloutUnavailable, match="e2e area pending"):
+        _run(NoRolloutEngine())
+    with pytest.raises(harness.RolloutUnavailable, match="no FP8 attention"):
+        _run(FakeRolloutEngine(unsupported={"fp8-kv": "no FP8 attention on CPU"}))
+
+    class Undeclared(Engine):
+        name = "bare"
+
+    with pytest.raises(harness.RolloutUnavailable, match="does not declare capability 'rollout'"):
+        _run(Undeclared())
+
+
+@pytest.mark.parametrize("kw,match", [({"configs": []}, "configs"), ({"configs": ["bf16", "bf16"]}, "duplicates"),
+                                      ({"repeats": 0}, "repeats"), ({"order": "random"}, "order"),
+                                      ({"configs": ["int4"]}, "unknown config")])
+def test_argument_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _run(FakeRolloutEngine(), **kw)
+
+
+def test_result_roundtrip_and_schema_errors(tmp_path):
+    res = _run(FakeRolloutEngine())
+    p = write_result(res, tmp_path / "r.json")
+    assert load_result(p)["runs"] == json.loads(p.read_text())["runs"]
+    broken = dict(res, baseline_config="fp8-all")
+    with pytest.raises(ResultError, match="baseline_config"):
+        validate(broken)
+    dup = dict(res, runs=res["runs"] + [res["runs"][0]])
+    with pytest.raises(ResultError, match="duplicate"):
+        validate(dup)
+    (tmp_path / "x.json").write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ResultError, match="not a fp8rl.perf.result"):
+        load_result(tmp_path / "x.json")
+    with pytest.raises(ResultError, match="no such file"):
+        load_result(tmp_path / "missing.json")
+
+
+def _vllm_file(path, tps, elapsed=10.0, n=100):
+    path.write_text(json.dumps({"elapsed_time": elapsed, "num_requests": n, "total_num_tokens": int(tps * elapsed),
+                                "requests_per_second": n / elapsed, "tokens_per_second": tps}))
+    return str(path)
+
+
+def test_ingest_vllm_bench_files(tmp_path):
+    a = [_vllm_file(tmp_path / f"a{i}.json", 1000.0 + i) for i in range(3)]
+    b = [_vllm_file(tmp_path / f"b{i}.json", 1150.0 + i, elapsed=8.0) for i in range(3)]
+    res = ingest_vllm([("bf16", a), ("fp8", b)], model_name="Qwen/Qwen3-8B-Base",
+                      hardware={"name": "H100-SXM-80GB", "class": "hopper", "device": "H100"})
+    validate(res)
+    assert res["configs"] == ["bf16", "fp8-linear"] and res["metric"] == "total_tokens_per_s"
+    assert [(r["config"], r["repeat"]) for r in res["runs"]][:2] == [("bf16", 0), ("fp8-linear", 0)]
+    out = ingest_vllm([("bf16", a), ("fp8-linear", b)], model_name="m", hardware={}, gen_len=512)
+    assert out["metric"] == "output_tokens_per_s"
+    assert out["runs"][1]["throughput"] == pytest.approx(100 * 512 / 8.0)
+    # raw vLLM files are refused by the gate loader with a pointer to ingest
+    with pytest.raises(ResultError, match="perf ingest"):
+        load_result(a[0])
+    with pytest.raises(ResultError, match="baseline"):
+        ingest_vllm([("fp8-linear", b)], model_name="m", hardware={})
+    with pytest.raises(ResultError, match="cannot infer"):
+        ingest_vllm([(None, a)], model_name="m", hardware={})
+
+
+def test_ingest_pytorch_benchmark_format_infers_config(tmp_path):
+    def rec(path, quant, kv, tps):
+        args = {"model": "Qwen/Qwen3-8B", "quantization": quant, "kv_cache_dtype": kv, "input_len": 1024,
+                "output_len": 4096, "num_prompts": 64}
+        path.write_text(json.dumps([
+            {"benchmark": {"name": "vLLM benchmark", "extra_info": {"args": args}}, "model": {"name": "x"},
+             "metric": {"name": "requests_per_second", "benchmark_values": [1.0], "extra_info": {}}},
+            {"benchmark": {"name": "vLLM benchmark", "extra_info": {"args": args}}, "model": {"name": "x"},
+             "metric": {"name": "tokens_per_second", "benchmark_values": [tps], "extra_info": {}}}]))
+        return str(path)
+
+    files = [rec(tmp_path / "1.json", None, "auto", 100.0), rec(tmp_path / "2.json", "fp8", "fp8", 140.0),
+             rec(tmp_path / "3.json", None, "auto", 101.0), rec(tmp_path / "4.json", "fp8", "fp8", 141.0)]
+    res = ingest_vllm([(None, files)], model_name="Qwen3-8B", hardware={})
+    assert res["configs"] == ["bf16", "fp8-all"]
+    assert res["workload"]["gen_len"] == 4096 and res["workload"]["batch"] == 64
+    assert [r["repeat"] for r in res["runs"] if r["config"] == "fp8-all"] == [0, 1]
