@@ -3,6 +3,9 @@
     nox -s tests        fast CPU tier (the suite's own tests, hypothesis profile ci)
     nox -s conformance  the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
     nox -s mutants      mutation testing of the checks
+    nox -s conformance_verl  the correction area against veRL (own venv)
+    nox -s asv          asv benchmarks + dashboard (.asv/html)
+    nox -s kv_drift     the KV-scale drift simulator table and plots
     nox -s lint         ruff
     nox -s typecheck    mypy on reference/ and suite/
 """
@@ -34,6 +37,34 @@ def conformance(session: nox.Session) -> None:
 def mutants(session: nox.Session) -> None:
     _install(session)
     session.run("fp8rl", "mutants", "--out", "fp8rl-mutants", *session.posargs)
+
+
+@nox.session
+def conformance_verl(session: nox.Session) -> None:
+    """Correction area against veRL 0.9.1 (own venv: veRL pins transformers<5.11; verl itself --no-deps)."""
+    session.install(*CONSTRAINTS, "-e", ".[test,verl]")
+    session.install("--no-deps", "verl==0.9.1")
+    session.run("fp8rl", "conformance", "--engine", "verl", "--area", "correction",
+                "--out", "fp8rl-report-verl", *session.posargs)
+    session.run("pytest", "-o", "addopts=", "-q", "tests/test_verl_engine.py")
+
+
+@nox.session
+def asv(session: nox.Session) -> None:
+    """asv on the working tree, recorded under HEAD's hash; dashboard in .asv/html (gitignored)."""
+    _install(session)
+    head = session.run("git", "rev-parse", "HEAD", external=True, silent=True).strip()
+    conf = ("--config", "perf/asv.conf.json")
+    session.run("asv", "machine", "--yes", *conf)
+    session.run("asv", "run", *conf, "--python=same", f"--set-commit-hash={head}", "--show-stderr", *session.posargs)
+    session.run("asv", "publish", *conf)
+
+
+@nox.session
+def kv_drift(session: nox.Session) -> None:
+    """The KV-scale drift simulator: per-step table (never / every step / every N), report with plots."""
+    _install(session)
+    session.run("fp8rl", "kv-drift", "--out", "fp8rl-kv-drift", *session.posargs)
 
 
 @nox.session

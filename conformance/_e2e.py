@@ -1,7 +1,7 @@
 """The end-to-end mismatch experiment shared by the e2e checks, the report section and the budget calibration.
 
 One *case* = (engine, tiny model, weights variant, recipe): the engine starts a rollout policy, generates
-``N_NEW`` tokens from each fixed prompt twice — sampled at temperature 1 (seed ``SAMPLE_SEED``) and greedy — and
+``N_NEW`` tokens from each fixed prompt twice — greedy, then sampled at temperature 1 (seed ``SAMPLE_SEED``) — and
 the BF16 trainer oracle (:class:`fp8rl.reference.rollout.RolloutPolicy` with recipe ``bf16``, teacher-forced)
 scores the sampled tokens. Mismatch metrics (:func:`~fp8rl.reference.rollout.mismatch_metrics`) come from the
 sampled rollout; the first divergence position compares the greedy tokens with the trainer's own greedy
@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from fp8rl import fixtures, tolerances
 from fp8rl.engine import EngineError
 from fp8rl.reference import rollout as R
@@ -112,8 +111,9 @@ def measure(engine: Any, model: str, recipe: str, *, variant: str = "base", seed
     p, plen = prompts(), prompt_len()
     vocab = int(cfg["vocab_size"])
     handle = engine.rollout_init(cfg, sd, recipe)
-    tok_s, lp_s = check_rollout_output(engine.rollout(handle, p, N_NEW, greedy=False, seed=seed), engine.name, vocab)
+    # greedy first: the FP8 KV scales are calibrated on that first batch (the prompts' prefill), as in the update check
     tok_g, _ = check_rollout_output(engine.rollout(handle, p, N_NEW, greedy=True, seed=seed), engine.name, vocab)
+    tok_s, lp_s = check_rollout_output(engine.rollout(handle, p, N_NEW, greedy=False, seed=seed), engine.name, vocab)
     lp_old = trainer.score(tok_s, plen)
     metrics = R.mismatch_metrics(lp_s, lp_old)
     fd = R.first_divergence(tok_g, ref_greedy, plen)
@@ -206,7 +206,7 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
     text = (f"Rollouts of {p.shape[0]} fixed prompts ({p.shape[1]} tokens) × {N_NEW} new tokens on the tiny "
             f"fixtures; KL metrics over the sampled rollout (temperature 1, seed {SAMPLE_SEED}) scored by the BF16 "
             "trainer (teacher-forced transformers forward); first divergence: greedy rollout vs the trainer's own "
-            "greedy continuation (N = no divergence). Budgets: fp8rl.tolerances 'e2e.*' (measured distribution of "
+            f"greedy continuation ({N_NEW} = no divergence). Budgets: fp8rl.tolerances 'e2e.*' (measured distribution of "
             "the reference FP8 emulation, with margins).")
     if notes:
         text += " " + " ".join(notes)

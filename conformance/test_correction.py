@@ -30,7 +30,7 @@ from fp8rl.strategies_correction import (
     rs_specs,
     tis_thresholds,
 )
-from hypothesis import assume, given
+from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 U32 = tolerances.UNIT_ROUNDOFF["float32"]
@@ -161,6 +161,30 @@ def _ambiguous(b: Batch, cfg: C.CorrectionConfig) -> bool:
     return (cfg.rollout_is is not None and _ambiguous_is(b, cfg)) or _ambiguous_rs(b, cfg)
 
 
+def _no_shrink() -> settings:
+    """The current profile (derandomized in CI) without the shrink phase: a failing example is reported as drawn —
+    its message names the batch seed, so ``make_batch(seed, …)`` reproduces it — instead of spending tens of
+    seconds minimizing known vendor failures."""
+    return settings(phases=[Phase.explicit, Phase.reuse, Phase.generate])
+
+
+def _assume_some_weight(b: Batch, cfg: C.CorrectionConfig) -> None:
+    """Discard examples where IcePop zeroes every weight: that case is CORR-MET-006's subject (ESS of all-zero
+    weights), so the other checks stay about what they name."""
+    if cfg.rollout_is is not None and cfg.icepop:
+        w, _, _ = C.is_weights(_delta(b), _m(b), replace(cfg, rollout_is_batch_normalize=False))
+        assume(bool((w[_m(b)] > 0).any()))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The inputs are tiny: intra-op threads only add contention (10x slower on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # comparisons
 
@@ -269,7 +293,7 @@ def _compare_metrics(got, ref: C.CorrectionResult, b: Batch, cfg: C.CorrectionCo
         worst = max(worst, err / bound)
         if not err <= bound:
             bad.append(f"{k}: expected {e!r} got {g!r} |err| {err:.3e} > bound {bound:.3e}")
-    record_metrics(err_over_bound=worst)
+    record_metrics(err_over_bound=min(worst, 1e30))
     assert not bad, f"{context}: {len(bad)} metrics differ from the oracle:\n  " + "\n  ".join(bad)
     return compared
 
@@ -315,6 +339,7 @@ def _full_compare(engine, b: Batch, cfg: C.CorrectionConfig, *, weights=True, ma
        "hypothesis-drawn batches (single-token and empty rows, garbage padding) and thresholds U.",
        bound="corr_weight", requires=[CAP])
 def test_token_tis_exact(engine):
+    @_no_shrink()
     @given(batches(), tis_thresholds())
     def inner(b, u):
         cfg = C.CorrectionConfig("token", u)
@@ -327,6 +352,7 @@ def test_token_tis_exact(engine):
        "beyond the safety clamp (log-probs −1e4); U may be rounded to the weights' dtype.", bound="corr_weight",
        requires=[CAP])
 def test_tis_bound(engine):
+    @_no_shrink()
     @given(batches(extreme=True), tis_thresholds(), st.sampled_from(["token", "sequence"]))
     def inner(b, u, level):
         cfg = C.CorrectionConfig(level, u)
@@ -346,6 +372,7 @@ def test_tis_bound(engine):
        "ratios, clamped on the sum — broadcast to every valid token of the row.", bound="corr_weight",
        requires=[CAP])
 def test_sequence_tis_exact(engine):
+    @_no_shrink()
     @given(batches(max_delta=2.0), tis_thresholds())
     def inner(b, u):
         _full_compare(engine, b, C.CorrectionConfig("sequence", u))
@@ -376,10 +403,12 @@ def test_tis_no_lower_truncation(engine):
 @check("CORR-MIS-001", "Token IcePop/MIS with asymmetric 'lo_hi' bounds: w_t = ρ_t if lo ≤ ρ_t ≤ hi else 0; the "
        "mask is unchanged.", bound="corr_weight", requires=[CAP])
 def test_token_icepop_exact(engine):
+    @_no_shrink()
     @given(batches(), icepop_bounds())
     def inner(b, spec):
         cfg = C.CorrectionConfig("token", spec)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -388,10 +417,12 @@ def test_token_icepop_exact(engine):
 @check("CORR-MIS-002", "Sequence IcePop/MIS: a row whose product ratio Π ρ_t is outside [lo, hi] gets weight 0 on "
        "every token, a row inside gets Π ρ_t; the mask is unchanged.", bound="corr_weight", requires=[CAP])
 def test_sequence_icepop_exact(engine):
+    @_no_shrink()
     @given(batches(max_delta=1.0), icepop_bounds())
     def inner(b, spec):
         cfg = C.CorrectionConfig("sequence", spec)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -400,9 +431,11 @@ def test_sequence_icepop_exact(engine):
 @check("CORR-GEO-001", "Geometric-mean IS: w_i = exp(clamp(mean_t δ_t, ±20)) broadcast, then TIS or IcePop.",
        bound="corr_weight", requires=[CAP, "rollout_correction.geometric"])
 def test_geometric_is_exact(engine):
+    @_no_shrink()
     @given(batches(), is_configs(levels=("geometric",)))
     def inner(b, cfg):
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -412,10 +445,12 @@ def test_geometric_is_exact(engine):
        "valid tokens only (padding excluded), so the valid weights average 1.", bound="corr_weight",
        requires=[CAP])
 def test_token_batch_norm_exact(engine):
+    @_no_shrink()
     @given(batches(), st.one_of(tis_thresholds(), icepop_bounds()))
     def inner(b, thr):
         cfg = C.CorrectionConfig("token", thr, rollout_is_batch_normalize=True)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
         assume(factor is not None and factor > 1e-6)
         _full_compare(engine, b, cfg)
@@ -426,10 +461,12 @@ def test_token_batch_norm_exact(engine):
 @check("CORR-NORM-002", "Sequence-level batch normalization: μ is the mean of the row weights over valid rows "
        "(empty rows and padding excluded; not token-weighted).", bound="corr_weight", requires=[CAP])
 def test_sequence_batch_norm_exact(engine):
+    @_no_shrink()
     @given(batches(max_delta=1.0), st.one_of(tis_thresholds(), icepop_bounds()))
     def inner(b, thr):
         cfg = C.CorrectionConfig("sequence", thr, rollout_is_batch_normalize=True)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
         assume(factor is not None and factor > 1e-6)
         _full_compare(engine, b, cfg)
@@ -445,10 +482,12 @@ def test_sequence_batch_norm_exact(engine):
        "keeps a token/row iff its statistic ≤ U; the new mask equals the oracle's.", bound="corr_stat",
        requires=[CAP])
 def test_rs_k2_k3_exact(engine):
+    @_no_shrink()
     @given(batches(), rs_specs(k1=False, max_options=1))
     def inner(b, spec):
         cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -458,10 +497,12 @@ def test_rs_k2_k3_exact(engine):
        "lo ≤ ρ_t (token), lo ≤ Π ρ_t (seq_sum), lo ≤ (Π ρ_t)^(1/T) (seq_mean) ≤ hi.", bound="corr_stat",
        requires=[CAP])
 def test_rs_k1_symmetric_exact(engine):
+    @_no_shrink()
     @given(batches(), rs_specs(k1=True, symmetric=True, max_options=1))
     def inner(b, spec):
         cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -480,10 +521,12 @@ def test_rs_k1_asymmetric_direction(engine):
         ref = C.rollout_correction(lo, lr, b.mask, cfg)
         _compare_mask(got, ref.mask, f"fixed ρ = [3, 1/3], {opt} '0.9_4.0'")
 
+    @_no_shrink()
     @given(batches(), rs_specs(k1=True, symmetric=False, max_options=1))
     def inner(b, spec):
         cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -493,6 +536,7 @@ def test_rs_k1_asymmetric_direction(engine):
        "option rejects it (logical AND of the keeps); duplicated options count once.", bound="corr_stat",
        requires=[CAP])
 def test_rs_combined_exact(engine):
+    @_no_shrink()
     @given(batches(), rs_specs(symmetric=True, max_options=3), st.booleans())
     def inner(b, spec, duplicate):
         opts, thr = spec
@@ -500,6 +544,7 @@ def test_rs_combined_exact(engine):
             opts = f"{opts},{opts.split(',')[0]}"
         cfg = C.CorrectionConfig(None, rollout_rs=opts, rollout_rs_threshold=thr)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -508,10 +553,12 @@ def test_rs_combined_exact(engine):
 @check("CORR-RS-005", "Rejection sampling changes the mask only: the IS weights with RS equal the weights without "
        "RS, and IS alone never changes the mask.", bound="exact", requires=[CAP])
 def test_rs_masks_only(engine):
+    @_no_shrink()
     @given(batches(), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
         cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         with_rs = _call(engine, b, cfg)
         without = _call(engine, b, is_cfg)
         ctx = _ctx(b, cfg)
@@ -527,10 +574,12 @@ def test_rs_masks_only(engine):
        "valid token has ρ_t < τ; weights are untouched.", bound="corr_stat",
        requires=[CAP, "rollout_correction.veto"])
 def test_veto_exact(engine):
+    @_no_shrink()
     @given(batches(), st.integers(-300, -1).map(lambda j: math.exp((j + 0.5) / 64)))
     def inner(b, tau):
         cfg = C.CorrectionConfig("token", 2.0, rollout_token_veto_threshold=tau)
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         _full_compare(engine, b, cfg)
 
     inner()
@@ -544,8 +593,10 @@ def test_veto_exact(engine):
        "abs/max/min, ppl_ratio, χ² token and sequence) equal the oracle's within the derived bound.",
        bound="corr_metric", requires=[CAP])
 def test_offpolicy_metrics(engine):
+    @_no_shrink()
     @given(batches(empty_rows=False), is_configs(normalize=False))
     def inner(b, cfg):
+        _assume_some_weight(b, cfg)
         got = _call(engine, b, cfg)
         _skip_unless_metrics(got, OFFPOLICY_KEYS)
         ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
@@ -558,9 +609,11 @@ def test_offpolicy_metrics(engine):
        "truncated and IcePop out-of-band fractions, batch-norm factor) equal the oracle's.", bound="corr_metric",
        requires=[CAP])
 def test_is_metrics(engine):
+    @_no_shrink()
     @given(batches(empty_rows=False), is_configs())
     def inner(b, cfg):
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
         assume(factor is None or factor > 1e-6)
         got = _call(engine, b, cfg)
@@ -574,10 +627,12 @@ def test_is_metrics(engine):
 @check("CORR-MET-003", "RS metrics: the fraction of valid tokens rejected and of valid rows with a rejected token, "
        "overall and per option, equal the oracle's.", bound="corr_metric", requires=[CAP])
 def test_rs_metrics(engine):
+    @_no_shrink()
     @given(batches(empty_rows=False), rs_specs(symmetric=True, max_options=3))
     def inner(b, spec):
         cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         got = _call(engine, b, cfg)
         keys = _rs_keys(cfg)
         _skip_unless_metrics(got, keys)
@@ -590,6 +645,7 @@ def test_rs_metrics(engine):
 @check("CORR-MET-004", "Probability-space mismatch metrics: max/mean/std of |π_train − π_rollout| over valid "
        "tokens and their Pearson correlation equal the oracle's.", bound="corr_metric", requires=[CAP])
 def test_prob_metrics(engine):
+    @_no_shrink()
     @given(batches(empty_rows=False, max_delta=1.0))
     def inner(b):
         cfg = C.CorrectionConfig(None)
@@ -604,6 +660,7 @@ def test_prob_metrics(engine):
 @check("CORR-MET-005", "NeMo-RL token_mult_prob_error = mean over valid tokens of exp(|δ_t|) equals the oracle's "
        "(1.0 for identical policies).", bound="corr_metric", requires=[CAP])
 def test_token_mult_prob_error(engine):
+    @_no_shrink()
     @given(batches())
     def inner(b):
         cfg = C.CorrectionConfig(None)
@@ -628,6 +685,7 @@ def test_ess_range(engine):
     ess = float(got.metrics["is_ess"])
     assert ess == 0.0, f"IcePop zeroed every weight: ESS must be 0, got {ess!r}"
 
+    @_no_shrink()
     @given(batches(), is_configs(normalize=False))
     def inner(b, cfg):
         e = float(_call(engine, b, cfg).metrics["is_ess"])
@@ -644,6 +702,7 @@ def test_ess_range(engine):
        "containing 1), k1 KL = k3 KL = χ² = 0, and no RS option whose band contains 1 masks anything.",
        bound="exact", requires=[CAP])
 def test_identity(engine):
+    @_no_shrink()
     @given(batches(), st.sampled_from(["token", "sequence"]), tis_thresholds(), rs_specs(max_options=3))
     def inner(b, level, u, spec):
         lr = b.rollout_logp
@@ -697,10 +756,12 @@ def _metrics_equal(a: dict, b: dict, batch: Batch, cfg: C.CorrectionConfig, ctx:
        "no weight, no mask entry and no metric (beyond fp32 regrouping of the sums).", bound="corr_metric",
        requires=[CAP])
 def test_padding_length_invariance(engine):
+    @_no_shrink()
     @given(batches(), is_configs(), rs_specs(symmetric=True, max_options=2), st.integers(1, 9))
     def inner(b, is_cfg, spec, k):
         cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         padded = _pad_columns(b, k, np.random.default_rng(b.seed))
         g1, g2 = _call(engine, b, cfg), _call(engine, padded, cfg)
         ctx = f"{_ctx(b, cfg)}; +{k} padded columns"
@@ -718,9 +779,11 @@ def test_padding_length_invariance(engine):
        "there are 0, the mask stays 0, valid weights and every metric stay finite.", bound="exact",
        requires=[CAP])
 def test_nonfinite_padding(engine):
+    @_no_shrink()
     @given(batches(pad="nonfinite"), is_configs(), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
         cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        _assume_some_weight(b, cfg)
         got = _call(engine, b, cfg)
         ctx = _ctx(b, cfg)
         m = _m(b)
@@ -730,7 +793,7 @@ def test_nonfinite_padding(engine):
                         f"{[float(w[tuple(i)]) for i in bad]}"
         assert bool(torch.isfinite(w[m]).all()), f"{ctx}: non-finite valid weights"
         assert not bool(got.mask.double()[~m].any()), f"{ctx}: mask at padding became non-zero"
-        nonfinite = {k: v for k, v in got.metrics.items() if k not in ("probs_pearson_corr",)
+        nonfinite = {k: v for k, v in got.metrics.items() if k not in PROB_KEYS  # PROB_KEYS: CORR-MET-004
                      and not math.isfinite(float(v))}
         assert not nonfinite, f"{ctx}: non-finite metrics {nonfinite}"
 
@@ -740,10 +803,12 @@ def test_nonfinite_padding(engine):
 @check("CORR-PAD-003", "An all-padding (empty) row contributes nothing: appending one changes no other row's "
        "weight or mask and no metric (per-row means are over valid rows).", bound="corr_metric", requires=[CAP])
 def test_empty_row_invariance(engine):
+    @_no_shrink()
     @given(batches(empty_rows=False), is_configs(), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
         cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
         assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
         cols = b.mask.shape[1]
         ext = Batch(torch.cat([b.train_logp, torch.full((1, cols), -3.0)]),
                     torch.cat([b.rollout_logp, torch.full((1, cols), -1.0)]),
@@ -762,14 +827,16 @@ def test_empty_row_invariance(engine):
        "weights and every metric except the two perplexities (whose true value e^1e4 is not representable) are "
        "finite; weights equal the oracle's.", bound="corr_weight", requires=[CAP])
 def test_extreme_values(engine):
+    @_no_shrink()
     @given(batches(extreme=True), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
         cfg = replace(is_cfg, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        _assume_some_weight(b, cfg)
         got = _call(engine, b, cfg)
         ctx = _ctx(b, cfg)
         assert bool(torch.isfinite(got.weights.detach()).all()), f"{ctx}: non-finite weights"
         nonfinite = {k: v for k, v in got.metrics.items()
-                     if k not in C.PERPLEXITY_METRICS + ("probs_pearson_corr",) and not math.isfinite(float(v))}
+                     if k not in C.PERPLEXITY_METRICS + PROB_KEYS and not math.isfinite(float(v))}
         assert not nonfinite, f"{ctx}: non-finite metrics {nonfinite}"
         if not _ambiguous(b, cfg):
             _compare_weights(got, b, cfg, ctx)
@@ -884,7 +951,7 @@ def test_kl_estimators_stat(engine, rng):
         for key, x in (("kl_k1", x1), ("kl_k3", x3)):
             mu = float(np.sum(p * x))
             sd = math.sqrt(float(np.sum(p * (x - mu) ** 2)))
-            n = min(int(math.ceil((10 * z * sd / kl) ** 2)), 200_000)
+            n = min(int(math.ceil((10 * z * sd / kl) ** 2)), 40_000)
             tokens = rng.choice(vocab, size=n, p=p)
             rows = 100
             cols = int(math.ceil(n / rows))

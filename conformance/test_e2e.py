@@ -10,11 +10,10 @@ The report gets a ``mismatch`` section: the table per model and recipe and a plo
 
 from __future__ import annotations
 
-import pytest
-
 import fp8rl.mutants_e2e  # noqa: F401  (registers the weight-sync / e2e mutants when the checks load)
+import pytest
 from fp8rl import fixtures
-from fp8rl.checks import check, record_metrics, record_section
+from fp8rl.checks import check, record_metrics, record_section, require
 from fp8rl.reference import rollout as R
 
 from . import _e2e as E
@@ -36,6 +35,7 @@ def _record(res: E.CaseResult) -> None:
        "within the recipe's budget (measured reference-emulation distribution x margin).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
 def test_mismatch_budget(engine, model, recipe):
+    require(engine, f"rollout.{recipe}")
     res = E.cached_case(engine, model, recipe)
     record_section("mismatch", E.mismatch_section(engine))
     _record(res)
@@ -48,6 +48,7 @@ def test_mismatch_budget(engine, model, recipe):
        "for at least the recipe's floor of tokens on average (first divergence position).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
 def test_greedy_first_divergence(engine, model, recipe):
+    require(engine, f"rollout.{recipe}")
     res = E.cached_case(engine, model, recipe)
     record_section("mismatch", E.mismatch_section(engine))
     floor = E.budget("first_div_mean", model, recipe)
@@ -61,8 +62,9 @@ def test_greedy_first_divergence(engine, model, recipe):
 @check("E2E-UPDATE-001", "After a rollout on step-0 weights and update_weights(step-1 weights), sampled "
        "rollouts follow the NEW policy: their mismatch vs the BF16 trainer at step 1 is within budget and smaller "
        "than vs step 0. The update grows K/V 8x, so FP8 KV scales must be recalibrated (or pushed).",
-       bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
+       bound="e2e_mismatch", requires=["rollout.{recipe}", "update_weights"], timeout=600)
 def test_update_weights_follow_new_policy(engine, model, recipe):
+    require(engine, f"rollout.{recipe}", "update_weights")
     m0, m1 = fixtures.tiny_model(model, "base"), fixtures.tiny_model(model, "update")
     p, plen = E.prompts(), E.prompt_len()
     vocab = int(m0.config["vocab_size"])

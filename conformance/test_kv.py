@@ -313,10 +313,9 @@ def test_kv_attention_vs_unquantized_bound(engine, fmt, layout, rng):
     kappa = tolerances.get("kv_attention_vs_fresh").value
     worst = 0.0
     for case in ("prefill-gqa", "varlen-causal"):
-        q, _, _, q_scale, kw = attention_case(rng, case, fmt, layout)
-        b, tk, hkv, d = q.shape[0], (24 if case == "prefill-gqa" else 40), (2,), q.shape[-1]
-        k = kv_tensor(rng, (b, tk, hkv[0], d), spread=2)
-        v = kv_tensor(rng, (b, tk, hkv[0], d), spread=2)
+        q, kc0, _, q_scale, kw = attention_case(rng, case, fmt, layout)
+        k = kv_tensor(rng, tuple(kc0.codes.shape), spread=2)
+        v = kv_tensor(rng, tuple(kc0.codes.shape), spread=2)
         ks, vs = amax_scale(k, layout, fmt), amax_scale(v, layout, fmt)
         kc = engine.kv_store(k, ks, fmt=fmt, layout=layout)
         vc = engine.kv_store(v, vs, fmt=fmt, layout=layout)
@@ -338,14 +337,18 @@ def test_kv_attention_vs_unquantized_bound(engine, fmt, layout, rng):
 
 
 def _captures(rng: np.random.Generator, sizes: list[int], growth: float = 1.0) -> list[list[kvref.Capture]]:
+    """captures[rank][micro_batch] = (q, k, v) with 2 KV heads of very different magnitude (K: 1 and 0.01,
+    V: 0.5 and 2); micro-batch m of a rank is scaled by growth^m."""
+    k_heads = torch.tensor([1.0, 0.01]).reshape(1, 1, 2, 1)
+    v_heads = torch.tensor([0.5, 2.0]).reshape(1, 1, 2, 1)
     out = []
     for n in sizes:
         rank = []
         for m in range(n):
-            mag = float(np.exp(rng.normal(0, 0.3))) * growth ** m
-            q = torch.from_numpy(rng.standard_normal((1, 3, 2, 4)).astype(np.float32) * mag * 3)
-            k = torch.from_numpy(rng.standard_normal((1, 3, 1, 4)).astype(np.float32) * mag * 7)
-            v = torch.from_numpy(rng.standard_normal((1, 3, 1, 4)).astype(np.float32) * mag)
+            mag = float(np.exp(rng.normal(0, 0.3))) * growth**m
+            q = torch.from_numpy(rng.standard_normal((1, 3, 4, 4)).astype(np.float32) * mag * 3)
+            k = torch.from_numpy(rng.standard_normal((1, 3, 2, 4)).astype(np.float32) * mag * 7) * k_heads
+            v = torch.from_numpy(rng.standard_normal((1, 3, 2, 4)).astype(np.float32) * mag) * v_heads
             rank.append((q, k, v))
         out.append(rank)
     return out
@@ -395,11 +398,6 @@ def test_kv_calibrate_trainer_p999_exact(engine, fmt, rng):
        "tensor or per KV head (Q per tensor, / 448).", requires=["kv.calibrate"])
 def test_kv_calibrate_amax_exact(engine, fmt, layout, rng):
     caps = _captures(rng, [4, 2], growth=1.5)
-    caps[1][1] = tuple(torch.cat([t, t * 3], dim=-2) if i else torch.cat([t, t], dim=-2)
-                       for i, t in enumerate(caps[1][1]))[:3]  # type: ignore[assignment]
-    caps = [[(q, k[..., :1, :].expand(-1, -1, 2, -1).contiguous() * torch.tensor([1.0, 0.01]).reshape(1, 1, 2, 1),
-              v[..., :1, :].expand(-1, -1, 2, -1).contiguous() * torch.tensor([0.5, 2.0]).reshape(1, 1, 2, 1))
-             for (q, k, v) in rank] for rank in caps]
     expected = kvref.calibrate(caps, "amax", layout=layout, fmt=fmt)
     _compare_scales(engine.kv_calibrate(caps, "amax", layout=layout, fmt=fmt), expected, f"calibrate C/{layout}")
 
@@ -525,23 +523,6 @@ def test_kv_default_scale_flagged(engine, fmt, rng):
         f"k {float(k.abs().max()):.4g}, v {float(v.abs().max()):.4g}); refuse with MissingKVScales or calibrate")
 
 
-class _EngineBackend:
-    """The drift simulator's FP8 attention through the engine's model-level KV path."""
-
-    def __init__(self, engine, fmt: str, layout: str, tag: str) -> None:
-        self.engine, self.fmt, self.layout, self.tag = engine, fmt, layout, tag
-
-    def push(self, key: str, scales: kvref.KVScales) -> None:
-        self.engine.kv_update_scales(f"{self.tag}/{key}", scales)
-
-    def attend(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        res = self.engine.kv_forward(f"{self.tag}/{key}", q.float(), k.float(), v.float(), fmt=self.fmt,
-                                     layout=self.layout, causal=True)
-        if not isinstance(res, kvref.KVForward):
-            raise EngineError(f"kv_forward returned {type(res).__name__}, expected KVForward")
-        return res.out
-
-
 #: drift config of the conformance run (smaller than the CLI default: 16 steps, ranges grow for 10)
 DRIFT_CHECK_CONFIG = {"steps": 16, "grow_steps": 10, "growth": 0.09}
 
@@ -553,7 +534,7 @@ DRIFT_CHECK_CONFIG = {"steps": 16, "grow_steps": 10, "growth": 0.09}
        requires=["kv.update_scales"], timeout=120.0)
 def test_kv_drift_per_step_recalibration(engine, seed):
     cfg = drift.DriftConfig(seed=seed % 1000, **DRIFT_CHECK_CONFIG)  # type: ignore[arg-type]
-    result = drift.simulate(cfg, backend=_EngineBackend(engine, cfg.fmt, cfg.layout, f"KV-DRIFT-001/{seed}"))
+    result = drift.simulate(cfg, backend=drift.EngineBackend(engine, cfg.fmt, cfg.layout, f"KV-DRIFT-001/{seed}"))
     record_section("kv_drift", result.to_section(f"KV-scale drift through {engine.name}"))
     summ = result.summary()
     record_metrics(err_over_bound=summ["every-step"]["max_attn_err_over_bound"],

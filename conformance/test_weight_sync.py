@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import re
 
+import fp8rl.mutants_e2e  # noqa: F401  (registers the weight-sync / e2e mutants when the checks load)
 import pytest
 import torch
-
-import fp8rl.mutants_e2e  # noqa: F401  (registers the weight-sync / e2e mutants when the checks load)
 from fp8rl import fixtures, tolerances
-from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
 from fp8rl.engine import EngineError
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.quant import Granularity, ScalePolicy
@@ -39,6 +38,7 @@ def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
 
 
 def _synced(engine, model: str) -> dict[str, torch.Tensor]:
+    require(engine, "weight_sync")
     out = engine.weight_sync(fixtures.tiny_model(model).state_dict)
     if not isinstance(out, dict):
         raise EngineError(f"{engine.name}.weight_sync returned {type(out).__name__}, expected a dict")

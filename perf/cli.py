@@ -26,7 +26,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 def _console():
     from rich.console import Console
 
-    return Console(highlight=False)
+    # wide tables when piped into a log (rich defaults to 80 columns there)
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _err(msg: str) -> int:
@@ -154,7 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             result = run_benchmark(engine, model=args.model, configs=configs, batch=args.batch,
                                    prompt_len=args.prompt_len, gen_len=args.gen_len, repeats=args.repeats,
-                                   warmup=args.warmup, seed=args.seed, order=args.order, vocab_size=args.vocab_size,
+                                   warmup=args.warmup, seed=args.seed, order=args.order, greedy=not args.sample,
+                                   vocab_size=args.vocab_size,
                                    model_name=args.model_name, hardware=args.hardware, command=sys.argv,
                                    progress=tick)
         except RolloutUnavailable as exc:
@@ -358,7 +360,8 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="perf_command", required=True)
 
     m = sub.add_parser("model", help="analytic roofline + KV-capacity model for an HF config on a GPU")
-    m.add_argument("--model", required=True, help="known name (qwen3-8b, qwen3-30b-a3b), config.json or model dir")
+    m.add_argument("--model", required=True,
+                   help="known name (Qwen3-8B, Qwen3-30B-A3B, tiny-qwen3, ...), a config.json or a model dir")
     m.add_argument("--hardware", default="H100-SXM-80GB", help="entry of hardware.json (default H100-SXM-80GB)")
     m.add_argument("--configs", default="bf16,fp8-linear,fp8-kv,fp8-all")
     m.add_argument("--workload", default=None, help="PROMPT:GEN[:MAX_NUM_SEQS], e.g. 2048:20480:256")
@@ -377,7 +380,8 @@ def register(subparsers) -> None:
 
     r = sub.add_parser("run", help="measure rollout throughput of precision configs (interleaved paired repeats)")
     r.add_argument("--engine", required=True, help="engine with the 'rollout' capability (name or pkg.mod:factory)")
-    r.add_argument("--model", required=True, help="model directory (or name) passed to engine.rollout")
+    r.add_argument("--model", required=True,
+                   help="tiny fixture name (tiny-qwen3, tiny-qwen3-moe) or HF checkpoint dir (config.json + safetensors)")
     r.add_argument("--configs", default="bf16,fp8-linear", help="comma list; the first is the baseline")
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--prompt-len", type=int, default=64)
@@ -386,6 +390,7 @@ def register(subparsers) -> None:
     r.add_argument("--warmup", type=int, default=1)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--order", choices=("interleaved", "abba"), default="interleaved")
+    r.add_argument("--sample", action="store_true", help="seeded sampling instead of greedy decoding")
     r.add_argument("--vocab-size", type=int, default=None, help="prompt id range (default: from config.json)")
     r.add_argument("--model-name", default=None, help="name the gate matches claims on (default: from the model)")
     r.add_argument("--hardware", default=None, help="hardware.json entry or 'cpu' (default: detected)")

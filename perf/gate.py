@@ -377,7 +377,7 @@ def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: f
                 ok, _ = c.applies(result, group, config)
                 if ok:
                     applicable.append(c)
-            targets: list[Claim | None] = applicable or [None]
+            targets: list[Claim | None] = list(applicable) if applicable else [None]
             for claim in targets:
                 ceiling = _ceiling(result, group, config, claim)
                 slack = claim.ceiling_slack if claim is not None else default_slack
@@ -418,7 +418,7 @@ def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: f
 
 def _regression_rows(result: dict, file: str, baseline: dict, baseline_file: str, *, max_regression: float,
                      confidence: float, n_resamples: int, seed: int, method: str) -> list[Row]:
-    rows = []
+    rows: list[Row] = []
     if result["kind"] != baseline["kind"] or result["metric"] != baseline["metric"]:
         return rows
     for group in _groups(result):
@@ -551,7 +551,8 @@ def plot(report: GateReport, path: str | Path) -> Path | None:
         ax.annotate(r.verdict, (i, e.point), textcoords="offset points", xytext=(8, 0), fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r.model}\n{r.config}/{r.baseline}\n{r.group}"[:60] for r in rows], fontsize=7)
+    ax.set_xticklabels([f"{r.claim_id or r.model}\n{r.config}/{r.baseline}\n{Path(r.file).name}:{r.group}"
+                        for r in rows], fontsize=6)
     ax.set_ylabel("speedup (× baseline throughput)")
     ax.set_title(f"FP8 speedup, {report.confidence:.0%} bootstrap CI")
     handles, labels = ax.get_legend_handles_labels()

@@ -76,6 +76,8 @@ class _Timer:
     def time(self, fn, iters: int) -> float:
         import torch
 
+        if iters <= 0:
+            return 0.0
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()

@@ -2,30 +2,27 @@
 
 Engine interface
 ----------------
-The harness needs the capability ``rollout`` (``engine.capabilities()["rollout"] is True``) and calls exactly one
-method::
+The harness uses the engine protocol's rollout ops (``fp8rl.engine.Engine``, e2e section; capability ``rollout``
+and ``rollout.<config>`` per precision config ``bf16``, ``fp8-linear``, ``fp8-kv``, ``fp8-all``)::
 
-    engine.rollout(model, prompts, *, config, max_new_tokens, ignore_eos=True, seed=0)
+    handle = engine.rollout_init(config: dict, state_dict: dict, recipe: str)      # once per config
+    out = engine.rollout(handle, prompts, max_new_tokens, greedy=True, seed=seed)   # timed
 
-``model``
-    the ``--model`` argument as given (a model directory or a name the engine understands).
-``prompts``
-    ``list[list[int]]``: token ids, identical for every config (drawn once from ``seed``).
-``config``
-    a precision config: ``bf16``, ``fp8-linear``, ``fp8-kv`` or ``fp8-all`` (see :mod:`fp8rl.perf.model`).
-    An engine that supports only some configs declares ``rollout.<config>`` capabilities (True or the reason);
-    when none is declared every config is assumed available.
-``max_new_tokens``, ``ignore_eos``
-    generate exactly ``max_new_tokens`` tokens per prompt: with ``ignore_eos=True`` the engine must not stop early.
-    A response of another length marks the run invalid (the gate then calls the comparison SUSPECT).
-returns
-    the generated ids per prompt (``list[list[int]]``), or a mapping/object with ``tokens`` (that list) and an
-    optional ``stats`` mapping: ``kv_capacity_tokens`` (the engine's KV-cache size), ``peak_memory_bytes`` (device
-    memory, when the engine measures it itself, e.g. in a worker process).
+``prompts`` is a (B, P) int64 tensor, identical for every config (drawn once from ``seed``); ``out`` is
+``(tokens, logprobs)`` (a tuple or ``RolloutOutput``) with ``tokens`` (B, P + N) starting with the prompts. The
+protocol's rollouts are fixed-length (EOS ignored); a response of another length, or a changed prompt prefix, marks
+the run invalid (the gate then calls the comparison SUSPECT).
 
-Engines that pay a start-up cost per config (``vllm.LLM()``) should keep one instance per (model, config) and
-start it on first use; the warm-up calls absorb that cost. Timing is host wall-clock around the call
-(``torch.cuda.synchronize()`` first when CUDA is initialised in this process).
+Optional extension: ``engine.rollout_stats(handle) -> dict`` with ``kv_capacity_tokens`` (the engine's KV-cache
+size) and/or ``peak_memory_bytes`` (device memory the engine measured itself, e.g. in a worker process), read after
+every timed call.
+
+The model (``--model``) is a fixture name (``tiny-qwen3``, ``tiny-qwen3-moe``: :func:`fp8rl.fixtures.tiny_model`)
+or an HF checkpoint directory (``config.json`` + BF16 ``*.safetensors``). All configs' handles are created before
+timing (``init_s`` per config is recorded, never timed into throughput) and stay alive during the run, so an engine
+that starts a server per handle (``vllm.LLM()``) needs memory for all of them: for large models run one config
+per process with ``vllm bench throughput`` interleaved by a script and ``fp8rl perf ingest`` the files.
+Timing is host wall-clock around ``rollout`` (``torch.cuda.synchronize()`` first when CUDA is initialised here).
 
 Measurement
 -----------
@@ -124,18 +121,19 @@ class _PeakMemory:
 
 def rollout_reason(engine: Any, configs: list[str] | None = None) -> str | None:
     """None if the engine can run the benchmark for ``configs``, else the reason it cannot."""
+    name = getattr(engine, "name", "?")
     try:
         caps = engine.capabilities()
     except Exception as exc:  # noqa: BLE001
-        return f"engine {getattr(engine, 'name', '?')!r}: capabilities() raised {type(exc).__name__}: {exc}"
+        return f"engine {name!r}: capabilities() raised {type(exc).__name__}: {exc}"
     status = caps.get("rollout")
-    name = getattr(engine, "name", "?")
     if status is not True:
         if status in (None, False):
             return f"engine {name!r} does not declare capability 'rollout'"
         return f"engine {name!r} lacks capability 'rollout': {status}"
-    if not callable(getattr(engine, "rollout", None)):
-        return f"engine {name!r} declares 'rollout' but has no rollout() method"
+    for op in ("rollout_init", "rollout"):
+        if not callable(getattr(engine, op, None)):
+            return f"engine {name!r} declares 'rollout' but has no {op}() method"
     for cfg in configs or []:
         st = caps.get(f"rollout.{cfg}")
         if st is not None and st is not True:
@@ -143,69 +141,84 @@ def rollout_reason(engine: Any, configs: list[str] | None = None) -> str | None:
     return None
 
 
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``batch`` prompts of ``prompt_len`` ids in [min(3, vocab-1), vocab): the same for every config."""
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int):
+    """(batch, prompt_len) int64 ids in [min(3, vocab-1), vocab): the same for every config."""
+    import torch
+
     rng = np.random.default_rng(seed)
     lo = min(3, vocab_size - 1)
-    return rng.integers(lo, vocab_size, size=(batch, prompt_len)).tolist()
+    return torch.from_numpy(rng.integers(lo, vocab_size, size=(batch, prompt_len)).astype(np.int64))
 
 
-def _model_info(model: str, model_name: str | None) -> tuple[str, int | None]:
+def load_model(model: str) -> tuple[str, dict, dict, str | None]:
+    """(name, HF config dict, BF16 state dict, checkpoint path) of a fixture name or a checkpoint directory."""
     import json
 
-    p = Path(model)
-    cfg = p / "config.json" if p.is_dir() else (p if p.is_file() and p.suffix == ".json" else None)
-    vocab = None
-    name = model_name
-    if cfg is not None and cfg.is_file():
-        try:
-            data = json.loads(cfg.read_text())
-            vocab = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
-            name = name or data.get("_name_or_path") or None
-        except (OSError, ValueError):
-            pass
-    return name or (p.name if p.name else str(model)), vocab
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"--model: {p} has no config.json")
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"--model: {p} has no *.safetensors weights")
+        from safetensors.torch import load_file
+
+        state: dict = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        config = json.loads(cfg_file.read_text())
+        return str(config.get("_name_or_path") or p.name), config, state, str(p)
+    from fp8rl import fixtures
+
+    if model in fixtures.TINY_MODELS:
+        tm = fixtures.tiny_model(model)
+        return model, dict(tm.config), tm.state_dict, str(tm.path)
+    raise ValueError(f"--model: {model!r} is neither a checkpoint directory nor a tiny fixture "
+                     f"({', '.join(fixtures.TINY_MODELS)})")
 
 
-def _unpack(out: Any) -> tuple[list[list[int]], dict]:
-    if isinstance(out, dict):
-        return list(out.get("tokens") or []), dict(out.get("stats") or {})
-    if hasattr(out, "tokens"):
-        return list(out.tokens), dict(getattr(out, "stats", None) or {})
-    return list(out), {}
+def _unpack_tokens(out: Any):
+    toks = out.tokens if hasattr(out, "tokens") else out[0]
+    return toks
 
 
-def _check_lengths(tokens: list[list[int]], batch: int, gen_len: int) -> list[str]:
+def _check_tokens(toks: Any, prompts: Any, gen_len: int) -> tuple[list[str], int]:
+    """(problems, generated tokens) of one rollout output."""
+    import torch
+
+    b, p = prompts.shape
+    if not isinstance(toks, torch.Tensor) or toks.ndim != 2:
+        return [f"tokens is not a 2-D tensor ({type(toks).__name__})"], 0
     problems = []
-    if len(tokens) != batch:
-        problems.append(f"{len(tokens)} responses for {batch} prompts")
-    lens = [len(t) for t in tokens]
-    short = [n for n in lens if n < gen_len]
-    long = [n for n in lens if n > gen_len]
-    if short:
-        problems.append(f"{len(short)} response(s) shorter than gen_len={gen_len} (min {min(short)}): EOS not ignored?")
-    if long:
-        problems.append(f"{len(long)} response(s) longer than gen_len={gen_len} (max {max(long)})")
-    return problems
+    if toks.shape[0] != b:
+        problems.append(f"{toks.shape[0]} sequences for {b} prompts")
+    n = toks.shape[1] - p
+    if n < gen_len:
+        problems.append(f"responses shorter than gen_len={gen_len} ({n} tokens): EOS not ignored?")
+    elif n > gen_len:
+        problems.append(f"responses longer than gen_len={gen_len} ({n} tokens)")
+    if toks.shape[0] == b and toks.shape[1] >= p and not torch.equal(toks[:, :p].to(prompts.dtype), prompts):
+        problems.append("the returned tokens do not start with the prompts")
+    return problems, max(n, 0) * toks.shape[0]
 
 
 def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, prompt_len: int, gen_len: int,
-                  repeats: int, warmup: int = 1, seed: int = 0, order: str = "interleaved",
+                  repeats: int, warmup: int = 1, seed: int = 0, order: str = "interleaved", greedy: bool = True,
                   vocab_size: int | None = None, model_name: str | None = None, hardware: str | None = None,
-                  command: list[str] | None = None,
+                  command: list[str] | None = None, loaded: tuple[str, dict, dict, str | None] | None = None,
                   progress: Callable[[str], None] | None = None) -> dict:
     """Run the benchmark and return a result dict (schema ``fp8rl.perf.result``, kind ``rollout``).
 
-    ``configs[0]`` is the baseline. ``progress(label)`` is called after every call to the engine.
-    Raises :class:`RolloutUnavailable` when the engine cannot run it, ValueError for bad arguments.
+    ``configs[0]`` is the baseline. ``loaded`` = (name, config, state_dict, path) skips :func:`load_model`.
+    ``progress(label)`` is called after every engine call. Raises :class:`RolloutUnavailable` when the engine
+    cannot run it, ValueError for bad arguments.
     """
     from fp8rl.perf.model import get_precision
 
     if not configs:
         raise ValueError("configs: give at least one config")
-    canon = []
-    for c in configs:
-        canon.append(get_precision(c).name)
+    canon = [get_precision(c).name for c in configs]
     if len(set(canon)) != len(canon):
         raise ValueError(f"configs: duplicates in {configs}")
     for nm, v, lo in (("batch", batch, 1), ("prompt_len", prompt_len, 1), ("gen_len", gen_len, 1),
@@ -218,19 +231,29 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
     if reason is not None:
         raise RolloutUnavailable(reason)
 
-    name, cfg_vocab = _model_info(model, model_name)
-    vocab = int(vocab_size or cfg_vocab or 1000)
+    name, hf_config, state_dict, path = loaded if loaded is not None else load_model(model)
+    name = model_name or name
+    vocab = int(vocab_size or hf_config.get("vocab_size") or 1000)
     prompts = make_prompts(batch, prompt_len, vocab, seed)
     mem = _PeakMemory()
+    stats_fn = getattr(engine, "rollout_stats", None)
 
-    def call(cfg: str) -> tuple[list[list[int]], dict, float, int | None]:
+    handles, init_s = {}, {}
+    for cfg in canon:
+        t0 = time.perf_counter()
+        handles[cfg] = engine.rollout_init(hf_config, state_dict, cfg)
+        init_s[cfg] = time.perf_counter() - t0
+        if progress:
+            progress(f"init {cfg}")
+
+    def call(cfg: str) -> tuple[Any, float, int | None, dict]:
         mem.start()
         t0 = time.perf_counter()
-        out = engine.rollout(model, prompts, config=cfg, max_new_tokens=gen_len, ignore_eos=True, seed=seed)
+        out = engine.rollout(handles[cfg], prompts, gen_len, greedy=greedy, seed=seed)
         mem.sync()
         wall = time.perf_counter() - t0
-        toks, stats = _unpack(out)
-        return toks, stats, wall, mem.peak()
+        stats = dict(stats_fn(handles[cfg]) or {}) if callable(stats_fn) else {}
+        return _unpack_tokens(out), wall, mem.peak(), stats
 
     for cfg in canon:
         for _ in range(warmup):
@@ -242,12 +265,11 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
     for i in range(repeats):
         round_order = canon if order == "interleaved" or i % 2 == 0 else list(reversed(canon))
         for cfg in round_order:
-            toks, stats, wall, peak = call(cfg)
-            problems = _check_lengths(toks, batch, gen_len)
-            ntok = sum(len(t) for t in toks)
+            toks, wall, peak, stats = call(cfg)
+            problems, ntok = _check_tokens(toks, prompts, gen_len)
             runs.append({
-                "group": "default", "config": cfg, "repeat": i, "seq": seq, "throughput": ntok / wall if wall > 0
-                else 0.0, "wall_s": wall, "tokens": ntok,
+                "group": "default", "config": cfg, "repeat": i, "seq": seq,
+                "throughput": ntok / wall if wall > 0 else 0.0, "wall_s": wall, "tokens": ntok,
                 "peak_memory_bytes": int(stats["peak_memory_bytes"]) if stats.get("peak_memory_bytes") is not None
                 else peak,
                 "peak_memory_kind": "engine" if stats.get("peak_memory_bytes") is not None else mem.kind,
@@ -259,10 +281,11 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
             if progress:
                 progress(f"repeat {i + 1}/{repeats} {cfg}")
     workload = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats, "warmup": warmup,
-                "seed": seed, "order": order, "ignore_eos": True, "vocab_size": vocab}
+                "seed": seed, "order": order, "greedy": greedy, "ignore_eos": True, "vocab_size": vocab,
+                "init_s": init_s}
     engine_info = {"name": str(getattr(engine, "name", "?")), "version": _version(engine)}
     result = new_result(kind="rollout", source="fp8rl perf run", engine=engine_info,
-                        model={"name": name, "path": str(model)}, hardware=hardware_block(hardware),
+                        model={"name": name, "path": path}, hardware=hardware_block(hardware),
                         workload=workload, metric="output_tokens_per_s", baseline_config=canon[0], configs=canon,
                         runs=runs, environment_=environment(engine), command=command)
     result["summary"] = summarize(result)

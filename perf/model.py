@@ -304,37 +304,20 @@ def _perf_files():
 
 
 @cache
-def _bundled_models() -> dict[str, Any]:
-    """normalized name → Traversable of a bundled config (perf/models, then fp8rl.fixtures if it ships any)."""
-    out: dict[str, Any] = {}
-    try:
-        fx = resources.files("fp8rl.fixtures")
-        stack = [fx]
-        while stack:
-            d = stack.pop()
-            for entry in d.iterdir():
-                if entry.is_dir():
-                    stack.append(entry)
-                elif entry.name.endswith(".json"):
-                    stem = entry.name[:-5]
-                    key = normalize_model_name(d.name if stem == "config" else stem)
-                    if key.startswith("qwen3-"):
-                        out.setdefault(key, entry)
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):  # pragma: no cover - no fixtures
-        pass
-    for entry in (_perf_files() / "models").iterdir():
-        if entry.name.endswith(".json"):
-            out[normalize_model_name(entry.name[:-5])] = entry  # perf's own copies win (they are checked here)
-    return out
+def _bundled_models() -> dict[str, str]:
+    """normalized name → fixture name of every config fp8rl.fixtures ships (published and tiny models)."""
+    from fp8rl import fixtures
+
+    return {normalize_model_name(n): n for n in (*fixtures.PUBLISHED_CONFIGS, *fixtures.TINY_MODELS)}
 
 
 def known_models() -> list[str]:
-    return sorted(_bundled_models())
+    return sorted(_bundled_models().values())
 
 
 def load_model_spec(model: str | Path | dict | ModelSpec, name: str | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from a spec, an HF config dict, a ``config.json`` path, a model directory holding one,
-    or a bundled name (``qwen3-8b``, ``Qwen/Qwen3-30B-A3B-Base``, ...)."""
+    or a model fp8rl.fixtures ships (``Qwen3-8B``, ``Qwen/Qwen3-30B-A3B-Base``, ``tiny-qwen3``, ...)."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
@@ -350,12 +333,9 @@ def load_model_spec(model: str | Path | dict | ModelSpec, name: str | None = Non
     if key not in bundled:
         raise ValueError(f"model: {model!r} is neither a config.json/model directory nor a known model "
                          f"({', '.join(known_models())})")
-    cfg = json.loads(bundled[key].read_text())
-    return ModelSpec.from_hf_config(cfg, name=name or _canonical_names().get(key, key))
+    from fp8rl import fixtures
 
-
-def _canonical_names() -> dict[str, str]:
-    return {"qwen3-8b": "Qwen3-8B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+    return ModelSpec.from_hf_config(fixtures.model_config(bundled[key]), name=name or bundled[key])
 
 
 @dataclass(frozen=True)
@@ -397,10 +377,10 @@ def load_hardware(name: str | Hardware) -> Hardware:
     for key, hw in table.items():
         if key.lower() == str(name).strip().lower():
             return hw
-    hw = match_hardware(str(name))
-    if hw is None:
+    found = match_hardware(str(name))
+    if found is None:
         raise ValueError(f"hardware: unknown {name!r}; known: {', '.join(table)}")
-    return hw
+    return found
 
 
 def match_hardware(device_name: str | None) -> Hardware | None:
@@ -509,7 +489,7 @@ class Workload:
 
 
 def decode_step(spec: ModelSpec, hw: Hardware, precision: str | Precision, concurrency: float, context: float,
-                tp: int = 1) -> dict[str, float]:
+                tp: int = 1) -> dict[str, Any]:
     """Lower bound of one decode step's time for ``concurrency`` sequences at mean ``context`` tokens."""
     p = get_precision(precision)
     c = max(float(concurrency), 0.0)
@@ -550,7 +530,7 @@ class ConfigEstimate:
     kv_capacity_tokens: int
     max_concurrency: float
     decode_concurrency: float
-    step: dict[str, float]
+    step: dict[str, Any]
     throughput_tok_s: float
     ratio_vs_bf16: float = float("nan")
     fits: bool = True

@@ -268,7 +268,7 @@ def read_vllm_bench(path: str | Path) -> dict[str, Any]:
         raise ResultError(f"{p}: not a readable JSON file: {exc}") from None
     if isinstance(data, dict) and "tokens_per_second" in data:
         try:
-            out = {"tokens_per_second": float(data["tokens_per_second"]),
+            out: dict[str, Any] = {"tokens_per_second": float(data["tokens_per_second"]),
                    "elapsed_time": float(data["elapsed_time"]) if data.get("elapsed_time") is not None else None,
                    "num_requests": int(data["num_requests"]) if data.get("num_requests") is not None else None,
                    "total_num_tokens": (int(data["total_num_tokens"]) if data.get("total_num_tokens") is not None
@@ -338,7 +338,7 @@ def ingest_vllm(runs_by_config: list[tuple[str | None, list[str]]], *, model_nam
                          "peak_memory_kind": None, "kv_capacity_tokens": None, "valid": True, "problems": [],
                          "file": str(f)})
             seq += 1
-    args = next((r["args"] for r in all_recs if r["args"]), {})
+    args: dict = next((r["args"] for r in all_recs if r["args"]), {})
     workload = {"batch": next((r["num_requests"] for r in all_recs if r["num_requests"]), args.get("num_prompts")),
                 "prompt_len": prompt_len if prompt_len is not None else args.get("input_len"),
                 "gen_len": gen_len if gen_len is not None else args.get("output_len"),

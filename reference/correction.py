@@ -169,6 +169,9 @@ class CorrectionConfig:
     (TIS) or "lo_hi" / (lo, hi) (IcePop). ``rollout_is_batch_normalize``: normalize the weights to mean 1.
     ``rollout_rs``: None or a comma list of :data:`RS_OPTIONS`; ``rollout_rs_threshold``: required with it.
     ``rollout_token_veto_threshold``: historical veto τ ∈ (0, ∞) or None.
+
+    Defaults are the FP8-RL recipe (token-level TIS, U = 2). veRL's own defaults differ between its YAML
+    (``rollout_is: null``) and its dataclass (``"sequence"``), so no default can "match veRL".
     """
 
     rollout_is: str | None = "token"
@@ -455,9 +458,9 @@ def is_metrics(w: torch.Tensor, raw: torch.Tensor, delta: torch.Tensor, m: torch
     ``is_oob_fraction`` (IcePop): mean_t 1[raw outside [lo, hi]]; ``is_fraction_truncated`` (TIS):
     mean_t 1[raw > U].
     """
-    assert cfg.rollout_is is not None
-    lo_b, hi = cfg.is_bounds  # type: ignore[misc]
-    low = cfg.is_lower
+    assert cfg.rollout_is is not None and cfg.is_bounds is not None
+    lo_b, hi = cfg.is_bounds
+    low = lo_b if lo_b is not None else 1.0 / hi
     out: dict[str, float] = {"is_weight_mean": float(_mm(w, m))}
     s1 = float(torch.where(m, w, 0.0).sum())
     s2 = float(torch.where(m, w * w, 0.0).sum())
@@ -470,7 +473,7 @@ def is_metrics(w: torch.Tensor, raw: torch.Tensor, delta: torch.Tensor, m: torch
         valid = m.any(-1)
         lw = raw_log_weights(delta, m, cfg.rollout_is)[:, 0][valid]
         out["is_fraction_high"] = float((lw > math.log(hi)).double().mean())
-        out["is_fraction_low"] = float((lw < math.log(low)).double().mean())  # type: ignore[arg-type]
+        out["is_fraction_low"] = float((lw < math.log(low)).double().mean())
     if lo_b is None:
         out["is_fraction_truncated"] = float(_mm((raw > hi).double(), m))
     else:

@@ -227,6 +227,24 @@ class OracleBackend:
         return out
 
 
+class EngineBackend:
+    """FP8 attention through an engine's model-level KV path (``kv_update_scales`` + ``kv_forward``, the
+    fp8rl engine protocol): each drift key becomes the engine layer ``"<tag>/<key>"``."""
+
+    def __init__(self, engine: Any, fmt: str = "e4m3fn", layout: str = "tensor", tag: str = "drift") -> None:
+        self.engine, self.fmt, self.layout, self.tag = engine, fmt, layout, tag
+
+    def push(self, key: str, scales: kvref.KVScales) -> None:
+        self.engine.kv_update_scales(f"{self.tag}/{key}", scales)
+
+    def attend(self, key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        res = self.engine.kv_forward(f"{self.tag}/{key}", q.float(), k.float(), v.float(), fmt=self.fmt,
+                                     layout=self.layout, causal=True)
+        if not isinstance(res, kvref.KVForward):
+            raise TypeError(f"kv_forward returned {type(res).__name__}, expected KVForward")
+        return res.out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # results
 
@@ -319,7 +337,7 @@ class DriftResult:
         series_attn["bound"] = [self.attn_bound(t) for t in steps]
         series_lp = {self.label(n): [r.logprob_div for r in recs] for n, recs in self.schedules.items()}
         series_lp["bound"] = [self.lp_bound(t) for t in steps]
-        series_sat = {self.label(n): [r.saturation for r in recs] for n, recs in self.schedules.items()}
+        series_sat = {self.label(n): [100 * r.saturation for r in recs] for n, recs in self.schedules.items()}
         return {
             "title": title or "KV-scale drift: recalibration schedules",
             "text": text,
@@ -331,8 +349,9 @@ class DriftResult:
                  "xlabel": "RL step", "ylabel": "‖ô − o‖ / ‖o‖ (max over layers)", "yscale": "log"},
                 {"type": "lines", "title": "Log-prob divergence per RL step", "x": steps, "series": series_lp,
                  "xlabel": "RL step", "ylabel": "mean |Δ log π(a)|", "yscale": "log"},
-                {"type": "lines", "title": "Saturated fraction of Q/K/V per RL step", "x": steps,
-                 "series": series_sat, "xlabel": "RL step", "ylabel": "fraction |x/s| > max", "yscale": "symlog"},
+                {"type": "lines", "title": "Saturated (clipped) Q/K/V per RL step", "x": steps,
+                 "series": series_sat, "xlabel": "RL step", "ylabel": "% of elements with |x/s| > max + ½ulp",
+                 "yscale": "linear"},
             ],
         }
 
@@ -469,5 +488,5 @@ def _simulate(config: DriftConfig | None, backend: Any, schedules: tuple[str, ..
     return DriftResult(cfg, cfg.every_n, recs, fresh, k_amax, k_attn, k_lp)
 
 
-__all__ = ["SCHEDULES", "DriftConfig", "DriftResult", "OracleBackend", "StepRecord", "TinyAttentionStack",
+__all__ = ["SCHEDULES", "DriftConfig", "DriftResult", "EngineBackend", "OracleBackend", "StepRecord", "TinyAttentionStack",
            "simulate"]

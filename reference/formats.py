@@ -18,6 +18,7 @@ NaN inputs always encode to NaN (sign preserved where the format has a signed Na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -200,6 +201,55 @@ def encode_codes(x, fmt: str | FP8Format, overflow: OverflowPolicy = "saturate",
     if overflow == "inf" and not f.has_inf:
         raise ValueError(f"overflow: {f.name} has no infinity; use 'saturate' or 'nan'")
     a = _as_numpy_f32(x)
+    if f.name != "e8m0fnu" and a.size >= _LUT_MIN_SIZE:
+        return _encode_codes_lut(a, f.name, overflow)
+    return _encode_codes_direct(a, f, overflow, e8m0_rounding)
+
+
+#: inputs at least this large go through the lookup table (building a table costs ~16k direct encodes)
+_LUT_MIN_SIZE = 1 << 15
+
+
+def _lut_shift(f: FP8Format) -> int:
+    """Bit position of the fp32 round bit for a normal result: 23 − man_bits − 1."""
+    return 23 - f.man_bits - 1
+
+
+@lru_cache(maxsize=None)
+def _encode_lut(fmt: str, overflow: str) -> np.ndarray:
+    """Code table indexed by (fp32 bits above the round-bit position ‖ sticky bit).
+
+    The direct encoder's result depends only on the sign, the exponent field, the significand bits down to the
+    round bit of a *normal* result (position 22 − man_bits), and whether any bit below is set (sticky): for
+    subnormal results the rounding position is higher, so its round and sticky bits are functions of the same
+    inputs; NaN vs inf and the overflow decision are too. So encoding one representative per index — the index's
+    top bits followed by a single set bit when sticky — gives every fp32 input's code exactly. The table is built
+    *with* the direct bit-level encoder, so it is the same oracle, only faster (tests compare both paths).
+    """
+    f = get_format(fmt)
+    shift = _lut_shift(f)
+    tops = np.arange(1 << (32 - shift), dtype=np.uint64)
+    reps = np.empty(tops.size * 2, dtype=np.uint64)
+    reps[0::2] = tops << np.uint64(shift)
+    reps[1::2] = (tops << np.uint64(shift)) | np.uint64(1)
+    values = reps.astype(np.uint32).view(np.float32)
+    return _encode_codes_direct(values, f, overflow, "nearest_ties_up")
+
+
+def _encode_codes_lut(a: np.ndarray, fmt: str, overflow: str) -> np.ndarray:
+    f = get_format(fmt)
+    shift = _lut_shift(f)
+    bits = np.ascontiguousarray(a).view(np.uint32)
+    index = bits >> np.uint32(shift)
+    index <<= np.uint32(1)
+    sticky = bits & np.uint32((1 << shift) - 1)
+    np.minimum(sticky, np.uint32(1), out=sticky)
+    index |= sticky
+    return _encode_lut(fmt, overflow)[index]
+
+
+def _encode_codes_direct(a: np.ndarray, f: FP8Format, overflow: str, e8m0_rounding: str) -> np.ndarray:
+    """The bit-level encoder (see :func:`encode_codes`): integer arithmetic on the fp32 bits."""
     bits = a.view(np.uint32).astype(np.int64)
     sign = (bits >> 31) & 1
     exp_field = (bits >> 23) & 0xFF

@@ -577,6 +577,23 @@ def _expand(t: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Te
     return t.repeat_interleave(bm, dim=0).repeat_interleave(bn, dim=1)[: shape[0], : shape[1]]
 
 
+def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> torch.Tensor:
+    """op(x, expand(t)) elementwise; for divisible group/block shapes through a broadcast view (no expanded copy).
+
+    The result is bit-identical to the expanded form: the same fp32 operation on the same operand pairs.
+    """
+    shape = tuple(x.shape)
+    if g.kind == "group" and shape[-1] % g.size[1] == 0:
+        gs = g.size[1]
+        xv = x.reshape(*shape[:-1], shape[-1] // gs, gs)
+        return op(xv, t.unsqueeze(-1)).reshape(shape)
+    if g.kind == "block" and shape[0] % g.size[0] == 0 and shape[1] % g.size[1] == 0:
+        bm, bn = g.size
+        xv = x.reshape(shape[0] // bm, bm, shape[1] // bn, bn)
+        return op(xv, t[:, None, :, None]).reshape(shape)
+    return op(x, _expand(t, g, shape))
+
+
 def expand_scale(scale: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group tensor (scale, amax, multiplier) of shape ``g.scale_shape(shape)`` to ``shape``."""
     if not isinstance(scale, torch.Tensor):
@@ -603,21 +620,24 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
         raise TypeError(f"scale: expected a torch.Tensor, got {type(scale).__name__}")
     if scale.dtype != _F32:
         raise TypeError(f"scale: expected a torch.float32 tensor, got {scale.dtype}")
-    s = expand_scale(scale.cpu(), g, shape)
+    want = g.scale_shape(shape)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale: expected shape {want} for {g.label} over {shape}, got {tuple(scale.shape)}")
+    scale = scale.cpu()
     if policy.quant_op == "div":
-        q = x / s
+        q = _apply_per_group(x, scale, g, torch.div)
     elif policy.quant_op == "mul_recip":
-        q = x * (_f32(1.0) / s)
+        q = _apply_per_group(x, _f32(1.0) / scale, g, torch.mul)
     else:
         if amax is None:
             amax = compute_amax(x, g)
         elif tuple(amax.shape) != g.scale_shape(shape):
             raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
         m = quant_multiplier_from_amax(amax.to("cpu", _F32), policy)
-        q = x * _expand(m, g, shape)
+        q = _apply_per_group(x, m, g, torch.mul)
     if policy.clamp:
         t = policy.max_value
-        q = q.clamp(-t, t)
+        q = q.clamp_(-t, t)
     codes = encode_codes(q.numpy(), policy.fmt, policy.overflow)
     return torch.from_numpy(codes.reshape(shape))
 

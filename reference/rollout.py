@@ -45,8 +45,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch import nn
-
 from fp8rl.reference.quant import (
     Granularity,
     ScalePolicy,
@@ -58,9 +56,10 @@ from fp8rl.reference.quant import (
     quantize_with_scale,
     scale_from_amax,
 )
+from torch import nn
 
 __all__ = [
-    "KV_CALIBRATIONS", "RECIPES", "RolloutOutput", "RolloutPolicy", "RolloutRecipe", "build_hf_model", "cache_kwarg",
+    "KV_CALIBRATIONS", "RECIPES", "RolloutOutput", "RolloutPolicy", "RolloutRecipe", "build_hf_model", "cache_kwarg", "transformers_reason",
     "fake_quant", "fake_quant_with_scale", "first_divergence", "get_recipe", "mismatch_metrics", "recipe_with",
     "single_thread", "to_model_state_dict",
 ]
@@ -115,7 +114,7 @@ def get_recipe(recipe: str | RolloutRecipe) -> RolloutRecipe:
 _TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_cast_is_oracle(fmt: str) -> bool:
     """True if torch's saturating cast to ``fmt`` equals the oracle encoder on every rounding boundary."""
     if fmt not in _TORCH_FP8:
@@ -206,6 +205,25 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(_ATTN_NAME, sdpa_mask)
 
 
+def transformers_reason() -> str | None:
+    """None if a usable transformers (≥ 5: fused MoE expert tensors, attention interface) and safetensors are
+    installed, else why not (an engine capability reason)."""
+    import importlib.metadata
+    import importlib.util
+
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (pip install 'fp8rl[e2e]')"
+    version = importlib.metadata.version("transformers")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = 0
+    if major < 5:
+        return f"transformers >= 5 is required for the rollout oracle (found {version})"
+    return None
+
+
 def build_hf_model(config: Mapping[str, Any], *, attn_implementation: str = "sdpa",
                    experts_implementation: str | None = "eager", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """A transformers causal LM for an HF config dict (random init; load weights afterwards), eval mode, no grads."""
@@ -220,7 +238,13 @@ def build_hf_model(config: Mapping[str, Any], *, attn_implementation: str = "sdp
         kwargs["experts_implementation"] = experts_implementation
     if attn_implementation == _ATTN_NAME:
         _register_attention()
-    model = AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
+    except TypeError:  # transformers without selectable expert kernels: its only kernel is the eager loop
+        if "experts_implementation" not in kwargs:
+            raise
+        kwargs.pop("experts_implementation")
+        model = AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
     model.eval().requires_grad_(False)
     return model
 
@@ -286,6 +310,8 @@ def _fp8_matmul(x: torch.Tensor, w64: torch.Tensor, act: _ActQuant) -> torch.Ten
 class FP8Linear(nn.Module):
     """W8A8 blockwise linear: exact dequantized FP8 weight (fp64), dynamic 1×G activations, fp64 product → BF16."""
 
+    w64: torch.Tensor
+
     def __init__(self, w64: torch.Tensor, act: _ActQuant) -> None:
         super().__init__()
         self.register_buffer("w64", w64, persistent=False)
@@ -297,6 +323,10 @@ class FP8Linear(nn.Module):
 
 class FP8Experts(nn.Module):
     """The transformers eager expert loop (Qwen3MoeExperts) with every expert GEMM as an FP8 W8A8 linear."""
+
+    gate64: torch.Tensor
+    up64: torch.Tensor
+    down64: torch.Tensor
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act_fn: Any, act: _ActQuant) -> None:
         super().__init__()
@@ -322,10 +352,16 @@ class FP8Experts(nn.Module):
 class FP8Router(nn.Module):
     """Qwen3-MoE top-k router whose logits come from an FP8 W8A8 linear (what a quantized router computes)."""
 
-    def __init__(self, router: nn.Module, w64: torch.Tensor, act: _ActQuant) -> None:
+    w64: torch.Tensor
+    top_k: int
+    num_experts: int
+    norm_topk_prob: bool
+    hidden_dim: int
+
+    def __init__(self, router: Any, w64: torch.Tensor, act: _ActQuant) -> None:
         super().__init__()
-        self.top_k, self.num_experts = router.top_k, router.num_experts
-        self.norm_topk_prob, self.hidden_dim = router.norm_topk_prob, router.hidden_dim
+        self.top_k, self.num_experts = int(router.top_k), int(router.num_experts)
+        self.norm_topk_prob, self.hidden_dim = bool(router.norm_topk_prob), int(router.hidden_dim)
         self.register_buffer("w64", w64, persistent=False)
         self.act = act
 
@@ -413,8 +449,9 @@ def _fp8_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     """Attention over the FP8 cache: fp32 math on dequantized K/V (and an FP8 query when the recipe says so)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    state: _KVState = module._fp8rl_kv
-    q = state.quant(module.layer_idx, "q", query) if state.recipe.fp8_q else query.float()
+    state: _KVState = getattr(module, "_fp8rl_kv")  # noqa: B009 - set by RolloutPolicy on attention modules
+    layer = int(getattr(module, "layer_idx"))  # noqa: B009
+    q = state.quant(layer, "q", query) if state.recipe.fp8_q else query.float()
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.float()
     out, weights = sdpa_attention_forward(module, q, key.float(), value.float(), attention_mask, **kwargs)
@@ -439,14 +476,19 @@ class RolloutPolicy:
       an engine's); default: :func:`~fp8rl.reference.weight_sync.quantize_state_dict` of ``state_dict`` under
       ``weight_policy``;
     * ``act_policy``: ScalePolicy of the dynamic 1×128 activation quantization;
-    * ``experts_implementation``: the transformers expert kernel for BF16 experts (``"eager"``: the reference loop).
+    * ``experts_implementation``: the transformers expert kernel for BF16 experts (``"eager"``: the reference loop);
+    * ``memo``: share :meth:`generate` results between policies with identical weights, numerics and KV scales
+      (content-keyed, process-wide; generation is deterministic). The reference engine turns it on so that the
+      many engines of a mutants run do not recompute identical rollouts.
     """
 
     def __init__(self, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
                  recipe: str | RolloutRecipe = "bf16", *, synced: Mapping[str, torch.Tensor] | None = None,
                  weight_policy: ScalePolicy | str = "reference", act_policy: ScalePolicy | str = "reference",
-                 experts_implementation: str | None = "eager", weight_block: tuple[int, int] = (128, 128)) -> None:
+                 experts_implementation: str | None = "eager", weight_block: tuple[int, int] = (128, 128),
+                 memo: bool = False) -> None:
         self.config = dict(config)
+        self.memo = memo
         self.recipe = get_recipe(recipe)
         self.weight_policy = get_policy(weight_policy)
         self.act_policy = get_policy(act_policy)
@@ -474,6 +516,8 @@ class RolloutPolicy:
             plain = {k: v for k, v in synced.items() if k not in qts and k not in scale_names}
         else:
             qts, plain = {}, dict(state_dict)
+        self._fingerprint = (r, self.weight_block, self.act_policy, self.experts_implementation,
+                             _digest(synced if r.fp8_linear else state_dict), _digest(self.config))
         params = to_model_state_dict(plain)
         missing, unexpected = model.load_state_dict(params, strict=False)
         if unexpected:
@@ -485,7 +529,7 @@ class RolloutPolicy:
         if self.kv is not None:
             for mod in model.modules():
                 if hasattr(mod, "layer_idx") and hasattr(mod, "k_proj"):
-                    mod._fp8rl_kv = self.kv
+                    setattr(mod, "_fp8rl_kv", self.kv)  # noqa: B010 - read by _fp8_attention
         self.model = model
 
     def _install_fp8(self, model: nn.Module, qts: Mapping[str, Any]) -> set[str]:
@@ -514,7 +558,7 @@ class RolloutPolicy:
             covered.add(name)
         for prefix, per in experts.items():
             ids = sorted(per)
-            old = _get_module(model, prefix)
+            old: Any = _get_module(model, prefix)
             if ids != list(range(old.num_experts)) or any(len(per[e]) != 3 for e in ids):
                 raise ValueError(f"{prefix}: expected FP8 gate/up/down for all {old.num_experts} experts")
             stack = {p: torch.stack([per[e][p] for e in ids]) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -581,8 +625,25 @@ class RolloutPolicy:
         prompts = _as_tokens(prompts, "prompts")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected ≥ 1, got {max_new_tokens}")
-        with single_thread():
-            return self._generate(prompts, max_new_tokens, greedy, seed)
+        if not self.memo:
+            with single_thread():
+                return self._generate(prompts, max_new_tokens, greedy, seed)
+        key = (self._fingerprint, self._kv_snapshot(), tuple(prompts.shape), prompts.numpy().tobytes(),
+               int(max_new_tokens), bool(greedy), int(seed) if not greedy else 0)
+        hit = _GENERATE_MEMO.get(key)
+        if hit is None:
+            with single_thread():
+                out = self._generate(prompts, max_new_tokens, greedy, seed)
+            hit = (out, self.kv_scales)
+            if len(_GENERATE_MEMO) >= 256:
+                _GENERATE_MEMO.pop(next(iter(_GENERATE_MEMO)))
+            _GENERATE_MEMO[key] = hit
+        elif self.kv is not None:  # replay the calibration side effect
+            self.kv.scales = {k: dict(v) for k, v in hit[1].items()}
+        return RolloutOutput(hit[0].tokens.clone(), hit[0].logprobs.clone())
+
+    def _kv_snapshot(self) -> tuple:
+        return tuple(sorted((k, tuple(sorted(v.items()))) for k, v in self.kv.scales.items())) if self.kv else ()
 
     def _generate(self, prompts: torch.Tensor, max_new_tokens: int, greedy: bool, seed: int) -> RolloutOutput:
         gen = torch.Generator().manual_seed(int(seed))
@@ -624,6 +685,25 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+_GENERATE_MEMO: dict[tuple, tuple[RolloutOutput, dict[int, dict[str, float]]]] = {}
+
+
+def _digest(obj: Any) -> str:
+    """sha256 of a state dict (names, dtypes, shapes, bytes) or of a JSON-able object."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    if isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        for name in sorted(obj):
+            t = obj[name].detach().cpu().contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    else:
+        h.update(json.dumps(obj, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 def _as_tokens(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy, quantize
 
 __all__ = [
@@ -87,8 +86,9 @@ class WeightSyncRecipe:
                 except re.error as exc:
                     raise ValueError(f"{what}: invalid regex {p!r}: {exc}") from None
             object.__setattr__(self, what, pats)
-        if self.policy.fmt not in FP8_TORCH_DTYPES:  # pragma: no cover - ScalePolicy validates fmt
-            raise ValueError(f"policy: unsupported format {self.policy.fmt!r}")
+        fmt = get_policy(self.policy).fmt
+        if fmt not in FP8_TORCH_DTYPES:  # pragma: no cover - ScalePolicy validates fmt
+            raise ValueError(f"policy: unsupported format {fmt!r}")
 
     @property
     def granularity(self) -> Granularity:
@@ -96,7 +96,7 @@ class WeightSyncRecipe:
 
     @property
     def fp8_dtype(self) -> torch.dtype:
-        return FP8_TORCH_DTYPES[self.policy.fmt]  # type: ignore[union-attr]
+        return FP8_TORCH_DTYPES[get_policy(self.policy).fmt]
 
     def with_(self, **changes: Any) -> WeightSyncRecipe:
         from dataclasses import replace
@@ -236,7 +236,7 @@ def quantization_config(recipe: WeightSyncRecipe | None = None, ignored: list[st
     activation_scheme: dynamic, weight_block_size: [128, 128]}`` (+ ``ignored_layers`` when given), the dict verl
     injects into vLLM/SGLang (paper §1.1)."""
     r = recipe or WeightSyncRecipe()
-    cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": _CHECKPOINT_FMT[r.policy.fmt],  # type: ignore[union-attr]
+    cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": _CHECKPOINT_FMT[get_policy(r.policy).fmt],
                            "activation_scheme": "dynamic", "weight_block_size": list(r.block)}
     if ignored:
         cfg["ignored_layers"] = list(ignored)

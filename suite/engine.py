@@ -190,12 +190,13 @@ class Engine:
     # -- END correction section ---------------------------------------------------------------------------------
 
     # -- area weight_sync / e2e: weight-sync and rollout ops (BEGIN e2e section) ----------------------------------
-    # Capability keys: ``weight_sync`` (:meth:`weight_sync`); ``rollout`` (:meth:`rollout_init`, :meth:`rollout`,
-    # :meth:`update_weights`); ``rollout.<recipe>`` per numerics recipe: ``bf16``, ``fp8-linear`` (W8A8 blockwise
-    # linear layers: 128×128 weights, dynamic 1×128 activations), ``fp8-kv`` (FP8 e4m3fn KV cache, per-tensor
-    # per-layer scales, storage only), ``fp8-all`` (both, plus an FP8 query: FP8 attention). Models are given as an
-    # HF config dict and a BF16 state dict with HF *checkpoint* names (MoE experts unfused:
-    # ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), e.g. ``fp8rl.fixtures.tiny_model(name)``.
+    # Capability keys: ``weight_sync`` (:meth:`weight_sync`); ``rollout`` (:meth:`rollout_init`, :meth:`rollout`);
+    # ``update_weights`` (:meth:`update_weights`); ``rollout.<recipe>`` per numerics recipe: ``bf16``,
+    # ``fp8-linear`` (W8A8 blockwise linear layers: 128×128 weights, dynamic 1×128 activations), ``fp8-kv`` (FP8
+    # e4m3fn KV cache, per-tensor per-layer scales, storage only), ``fp8-all`` (both, plus an FP8 query: FP8
+    # attention). Models are given as an HF config dict and a BF16 state dict with HF *checkpoint* names (MoE
+    # experts unfused: ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), e.g.
+    # ``fp8rl.fixtures.tiny_model(name)``.
     # Oracles: fp8rl.reference.weight_sync and fp8rl.reference.rollout.
     def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
         """The tensors this engine's per-step weight sync loads, for a BF16 checkpoint-named ``state_dict``.

@@ -293,3 +293,6 @@ class GemmBf16Accum(ReferenceEngine):
 
 
 __all__ = ["MUTANTS", "Mutant", "get_policy", "make_mutant", "mutant"]
+
+# the other areas' mutants register themselves on import (they use `mutant` above, hence the late imports)
+from fp8rl import mutants_correction, mutants_e2e, mutants_kv  # noqa: E402,F401

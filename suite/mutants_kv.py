@@ -3,24 +3,32 @@
 Each mutant keeps the reference engine's *declared* numerics (``kv_policy``), so it cannot escape a check by
 declaring its bug. Imported for its side effect (registration in ``fp8rl.mutants.MUTANTS``).
 
-=========================  ============================================================================  =====================
-mutant                     bug (where it has happened)                                                   killed by
-=========================  ============================================================================  =====================
+=========================  ============================================================================  ====================
+mutant                     bug (where it has happened)                                                   killed by (measured)
+=========================  ============================================================================  ====================
 kv-stale-scales            scales never recalibrated after a weight update (vLLM computes them once;     KV-UPDATE-001/002,
                            verl had to reset ``calculate_kv_scales`` every step; stale host copies)      KV-DRIFT-001
-kv-scale-one               default scale 1.0 (BF16 checkpoint + ``--kv-cache-dtype fp8``: no loadable   KV-UPDATE-001,
-                           k/v/q scale parameters, pushed scales silently dropped)                     KV-DEFAULT-001
+kv-scale-one               default scale 1.0 (BF16 checkpoint + ``--kv-cache-dtype fp8``: no loadable   KV-DEFAULT-001,
+                           k/v/q scale parameters, pushed scales silently dropped)                     KV-UPDATE-001/002
 kv-q-scale-ignored         FP8 attention quantizes Q with q_scale but never applies the q descale       KV-ATTN-001/003,
-                                                                                                        KV-UPDATE-001
+                                                                                                        KV-UPDATE-001/002,
+                                                                                                        KV-DRIFT-001
 kv-per-tensor-scale        per-head layout stored with one per-tensor scale (engines that accept        KV-STORE-001/002/
-                           per-tensor scalars only reduce per-head checkpoint scales with max)          005
-kv-no-clamp                store casts x/s without clamp or saturating convert (SGLang                  KV-STORE-002/003
-                           ``set_kv_buffer`` relies on the torch cast: NaN in e4m3fn before torch 2.12,
+                           per-tensor scalars only reduce per-head checkpoint scales with max)          003/005, UPDATE-001
+kv-no-clamp                store casts x/s without clamp or saturating convert (SGLang                  KV-STORE-001…005,
+                           ``set_kv_buffer`` relies on the torch cast: NaN in e4m3fn before torch 2.12,  KV-DRIFT-001
                            inf in e5m2)
-kv-truncating-store        store truncates x/s toward zero instead of round-to-nearest-even             KV-STORE-001/002/005
+kv-truncating-store        store truncates x/s toward zero instead of round-to-nearest-even             KV-STORE-001/002/
+                                                                                                        004/005,
+                                                                                                        KV-UPDATE-001/002
 kv-swapped-vk-constants    engine-side calibration divides K by V's constant (100) and V by K's (200)   KV-CAL-001,
                                                                                                         KV-UPDATE-002
-=========================  ============================================================================  =====================
+kv-p999-as-max             trainer-side calibration takes the max of the micro-batch amaxes instead of  KV-CAL-002
+                           the 99.9th percentile (one outlier batch sets the scale)
+kv-head-amax-pooled        per-head amax calibration pools all heads (one amax broadcast to every head)  KV-CAL-003
+kv-reads-past-kv-len       attention multiplies masked-out cache slots by p = 0, so NaN garbage past     KV-ATTN-001/002
+                           kv_len poisons the sequence (torch SDPA with a bool mask does exactly this)
+=========================  ============================================================================  ====================
 """
 
 from __future__ import annotations
@@ -131,5 +139,41 @@ class KVSwappedConstants(ReferenceEngine):
         return super()._kv_current_scales(layer, q, k, v, layout)
 
 
-__all__ = ["KVNoClamp", "KVPerTensorScale", "KVQScaleIgnored", "KVScaleOne", "KVStaleScales",
+@mutant("kv-p999-as-max", "trainer-side (B) calibration uses the max of the per-micro-batch amaxes instead of "
+        "their 99.9th percentile", AREA)
+class KVP999AsMax(ReferenceEngine):
+    def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
+        if kvref.strategy_name(strategy) != "trainer_p999":
+            return super().kv_calibrate(captures, strategy, layout=layout, fmt=fmt)
+        fmax = get_format(fmt).max_finite
+        return kvref.calibrate_trainer_percentile(captures, percentile=100.0, fp8_max=(448.0, fmax, fmax))
+
+
+@mutant("kv-head-amax-pooled", "per-head amax calibration (C, layout head) pools all heads: one amax broadcast "
+        "to every head", AREA)
+class KVHeadAmaxPooled(ReferenceEngine):
+    def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
+        if layout != "head":
+            return super().kv_calibrate(captures, strategy, layout=layout, fmt=fmt)
+        s = super().kv_calibrate(captures, strategy, layout=layout, fmt=fmt)
+        return kvref.KVScales(s.q, s.k.max().expand(s.k.shape).clone(), s.v.max().expand(s.v.shape).clone())
+
+
+@mutant("kv-reads-past-kv-len", "FP8 attention masks slots past kv_len with p = 0 but still multiplies their "
+        "contents, so NaN garbage there poisons the sequence", AREA)
+class KVReadsPastKVLen(ReferenceEngine):
+    def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
+                     sm_scale=None):
+        out = super().kv_attention(q, k_cache, v_cache, q_scale=q_scale, causal=causal, q_lengths=q_lengths,
+                                   kv_lengths=kv_lengths, sm_scale=sm_scale)
+        if kv_lengths is None:
+            return out
+        k, v = k_cache.dequantize(), v_cache.dequantize()
+        for b, n in enumerate(torch.as_tensor(kv_lengths).tolist()):
+            if not bool(torch.isfinite(k[b, n:]).all() & torch.isfinite(v[b, n:]).all()):
+                out[b] = float("nan")  # 0 · NaN = NaN in every row of the sequence
+        return out
+
+
+__all__ = ["KVHeadAmaxPooled", "KVNoClamp", "KVP999AsMax", "KVReadsPastKVLen", "KVPerTensorScale", "KVQScaleIgnored", "KVScaleOne", "KVStaleScales",
            "KVSwappedConstants", "KVTruncatingStore"]

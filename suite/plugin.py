@@ -42,6 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fp8rl-report-dir", default=None, metavar="DIR", help="write report.json/junit/md/html here")
     group.addoption("--fp8rl-gpu-per-worker", action="store_true",
                     help="under pytest-xdist, pin each worker to one GPU (CUDA_VISIBLE_DEVICES = worker mod #GPUs)")
+    group.addoption("--fp8rl-mutant-matrix", default="area", choices=["area", "full"],
+                    help="mutant runs: check each mutant with its own area's checks (default) or every check")
     group.addoption("--fp8rl-timeout", default=None, type=float, metavar="S",
                     help="override every check's timeout (seconds); a check that runs longer is an error")
 
@@ -108,6 +110,29 @@ def parse_id_file(path: str | os.PathLike) -> list[tuple[str, str]]:
     return entries
 
 
+def _item_engine(item: pytest.Item, config: pytest.Config) -> str:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "engine_name" in callspec.params:
+        return str(callspec.params["engine_name"])
+    return engine_names(config)[0]
+
+
+def _deselect_other_areas(config: pytest.Config, items: list[pytest.Item], checks: list) -> list:
+    """For a mutant engine keep only the checks of the mutant's own area (``--fp8rl-mutant-matrix area``)."""
+    from fp8rl.mutants import MUTANTS
+
+    keep, drop = [], []
+    for it, spec in checks:
+        name = _item_engine(it, config)
+        mut = MUTANTS.get(name.split(":", 1)[1]) if name.startswith("mutant:") else None
+        (drop if mut is not None and mut.area != spec.area else keep).append((it, spec))
+    if drop:
+        dropped = {id(it) for it, _ in drop}
+        config.hook.pytest_deselected(items=[it for it, _ in drop])
+        items[:] = [it for it in items if id(it) not in dropped]
+    return keep
+
+
 def _item_spec(item: pytest.Item) -> CheckSpec | None:
     mark = item.get_closest_marker("fp8rl_check")
     return mark.kwargs["spec"] if mark else None
@@ -127,6 +152,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     checks = [(it, s) for it, s in checks if s is not None]
     if not checks:
         return
+    if config.getoption("--fp8rl-mutant-matrix") == "area":
+        checks = _deselect_other_areas(config, items, checks)
     state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
     for opt, marker in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
         path = config.getoption(opt)

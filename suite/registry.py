@@ -20,6 +20,7 @@ BUILTINS: dict[str, str] = {
     "reference": "fp8rl.engines.reference:ReferenceEngine",
     "torch": "fp8rl.engines.torch_native:TorchEngine",
     "torch-cuda": "fp8rl.engines.torch_native:TorchCudaEngine",
+    "verl": "fp8rl.engines.verl:VerlEngine",
 }
 
 

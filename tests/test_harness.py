@@ -99,7 +99,7 @@ def test_conformance_reference_is_conformant(tmp_path):
     assert {"formats", "quantization", "gemm"} <= areas
     for name in ("report.json", "junit.xml", "report.md", "report.html"):
         assert (tmp_path / name).is_file()
-    assert "conformant" in r.stdout
+    assert "verdict: CONFORMANT" in r.stdout
 
 
 def test_conformance_torch_passes_or_documented_xfails(tmp_path):

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from fp8rl.perf import gate as g
 from fp8rl.perf import model as pm
 from fp8rl.perf.results import new_result, validate

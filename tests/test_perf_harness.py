@@ -9,48 +9,60 @@ from __future__ import annotations
 import json
 
 import pytest
-
+import torch
 from fp8rl.engine import Engine
 from fp8rl.perf import harness
 from fp8rl.perf.results import ResultError, ingest_vllm, load_result, validate, write_result
+from fp8rl.reference.rollout import RolloutOutput
+
+TINY = ("tiny", {"vocab_size": 50, "model_type": "qwen3"}, {}, None)  # (name, config, state_dict, path)
 
 
 class FakeRolloutEngine(Engine):
-    """Implements ``rollout`` exactly as documented in fp8rl.perf.harness; records every call."""
+    """Implements the engine protocol's rollout ops (fp8rl.engine, e2e section); records every call."""
 
     name = "fake-rollout"
 
     def __init__(self, short_config: str | None = None, unsupported: dict | None = None,
-                 as_mapping: bool = True) -> None:
-        self.calls: list[tuple[str, int, tuple]] = []
+                 with_stats: bool = True, as_tuple: bool = False) -> None:
+        self.calls: list[tuple] = []
         self.short_config = short_config
         self.unsupported = unsupported or {}
-        self.as_mapping = as_mapping
+        self.with_stats = with_stats
+        self.as_tuple = as_tuple
 
     def version(self) -> str:
         return "fake 1.0"
 
     def capabilities(self):
-        caps = {"rollout": True}
+        caps = {"rollout": True, "rollout.bf16": True, "rollout.fp8-linear": True, "rollout.fp8-kv": True,
+                "rollout.fp8-all": True}
         caps.update({f"rollout.{k}": v for k, v in self.unsupported.items()})
         return caps
 
-    def rollout(self, model, prompts, *, config, max_new_tokens, ignore_eos=True, seed=0):
-        assert ignore_eos is True
-        self.calls.append((config, max_new_tokens, tuple(map(tuple, prompts))))
-        n = max_new_tokens - 3 if config == self.short_config else max_new_tokens
-        toks = [[7] * n for _ in prompts]
-        if not self.as_mapping:
-            return toks
-        kv = 1000 if config in ("bf16", "fp8-linear") else 2000
-        return {"tokens": toks, "stats": {"kv_capacity_tokens": kv}}
+    def rollout_init(self, config, state_dict, recipe):
+        self.calls.append(("init", recipe))
+        return {"recipe": recipe}
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        cfg = handle["recipe"]
+        self.calls.append((cfg, max_new_tokens, tuple(map(tuple, prompts.tolist()))))
+        n = max_new_tokens - 3 if cfg == self.short_config else max_new_tokens
+        toks = torch.cat([prompts, torch.full((prompts.shape[0], n), 7, dtype=torch.int64)], 1)
+        lp = torch.zeros(prompts.shape[0], n)
+        return (toks, lp) if self.as_tuple else RolloutOutput(toks, lp)
+
+    def rollout_stats(self, handle):
+        if not self.with_stats:
+            return None
+        return {"kv_capacity_tokens": 1000 if handle["recipe"] in ("bf16", "fp8-linear") else 2000}
 
 
 class NoRolloutEngine(Engine):
     name = "no-rollout"
 
     def capabilities(self):
-        return {"cast.e4m3fn": True, "rollout": "generation is not implemented by this engine (e2e area pending)"}
+        return {"cast.e4m3fn": True, "rollout": "generation is not implemented by this engine"}
 
 
 def make_fake():
@@ -67,7 +79,7 @@ def make_no_rollout():
 
 def _run(engine, **kw):
     args = dict(model="tiny", configs=["bf16", "fp8-kv"], batch=3, prompt_len=5, gen_len=4, repeats=3, warmup=1,
-                seed=1, vocab_size=50)
+                seed=1, loaded=TINY)
     args.update(kw)
     return harness.run_benchmark(engine, **args)
 
@@ -76,10 +88,12 @@ def test_interleaved_paired_repeats_same_prompts():
     eng = FakeRolloutEngine()
     res = _run(eng)
     validate(res)
-    # warm-up: one per config, then A B A B A B
-    assert [c[0] for c in eng.calls] == ["bf16", "fp8-kv"] + ["bf16", "fp8-kv"] * 3
-    assert len({c[2] for c in eng.calls}) == 1  # identical prompts for every call
-    prompts = eng.calls[0][2]
+    # init per config, warm-up one per config, then A B A B A B
+    assert [c[:2] for c in eng.calls[:2]] == [("init", "bf16"), ("init", "fp8-kv")]
+    gen = [c for c in eng.calls if c[0] != "init"]
+    assert [c[0] for c in gen] == ["bf16", "fp8-kv"] + ["bf16", "fp8-kv"] * 3
+    assert len({c[2] for c in gen}) == 1  # identical prompts for every call
+    prompts = gen[0][2]
     assert len(prompts) == 3 and all(len(p) == 5 and all(3 <= t < 50 for t in p) for p in prompts)
     assert [(r["config"], r["repeat"], r["seq"]) for r in res["runs"]] == [
         ("bf16", 0, 0), ("fp8-kv", 0, 1), ("bf16", 1, 2), ("fp8-kv", 1, 3), ("bf16", 2, 4), ("fp8-kv", 2, 5)]
@@ -88,8 +102,10 @@ def test_interleaved_paired_repeats_same_prompts():
     assert r0["kv_capacity_tokens"] == 1000 and res["runs"][1]["kv_capacity_tokens"] == 2000
     assert r0["peak_memory_bytes"] is None or r0["peak_memory_bytes"] > 0
     assert res["summary"]["fp8-kv"]["valid_runs"] == 3
-    assert res["workload"] == {"batch": 3, "prompt_len": 5, "gen_len": 4, "repeats": 3, "warmup": 1, "seed": 1,
-                               "order": "interleaved", "ignore_eos": True, "vocab_size": 50}
+    wl = res["workload"]
+    assert {k: wl[k] for k in ("batch", "prompt_len", "gen_len", "repeats", "warmup", "seed", "order")} == {
+        "batch": 3, "prompt_len": 5, "gen_len": 4, "repeats": 3, "warmup": 1, "seed": 1, "order": "interleaved"}
+    assert wl["ignore_eos"] is True and wl["vocab_size"] == 50 and set(wl["init_s"]) == {"bf16", "fp8-kv"}
     env = res["environment"]
     for key in ("python", "cpu", "torch", "numpy", "platform", "gpus", "engine"):
         assert key in env
@@ -97,11 +113,12 @@ def test_interleaved_paired_repeats_same_prompts():
     assert res["engine"]["version"] == "fake 1.0" and res["baseline_config"] == "bf16"
 
 
-def test_abba_order_and_plain_list_return():
-    eng = FakeRolloutEngine(as_mapping=False)
+def test_abba_order_and_tuple_output_without_stats():
+    eng = FakeRolloutEngine(with_stats=False, as_tuple=True)
     res = _run(eng, configs=["bf16", "fp8-linear", "fp8-all"], order="abba", warmup=0, repeats=2)
-    assert [c[0] for c in eng.calls] == ["bf16", "fp8-linear", "fp8-all", "fp8-all", "fp8-linear", "bf16"]
-    assert all(r["kv_capacity_tokens"] is None for r in res["runs"])
+    gen = [c[0] for c in eng.calls if c[0] != "init"]
+    assert gen == ["bf16", "fp8-linear", "fp8-all", "fp8-all", "fp8-linear", "bf16"]
+    assert all(r["kv_capacity_tokens"] is None and r["valid"] for r in res["runs"])
 
 
 def test_short_responses_mark_runs_invalid():
@@ -111,8 +128,18 @@ def test_short_responses_mark_runs_invalid():
     assert "shorter than gen_len=4" in bad[0]["problems"][0]
 
 
+def test_changed_prompt_prefix_is_invalid():
+    class Rewriter(FakeRolloutEngine):
+        def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+            out = super().rollout(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)
+            return RolloutOutput(out.tokens.flip(1), out.logprobs)
+
+    res = _run(Rewriter(), repeats=1, warmup=0)
+    assert not res["runs"][0]["valid"] and "start with the prompts" in res["runs"][0]["problems"][0]
+
+
 def test_capability_missing_or_config_unsupported():
-    with pytest.raises(harness.RolloutUnavailable, match="e2e area pending"):
+    with pytest.raises(harness.RolloutUnavailable, match="not implemented by this engine"):
         _run(NoRolloutEngine())
     with pytest.raises(harness.RolloutUnavailable, match="no FP8 attention"):
         _run(FakeRolloutEngine(unsupported={"fp8-kv": "no FP8 attention on CPU"}))
@@ -192,3 +219,20 @@ def test_ingest_pytorch_benchmark_format_infers_config(tmp_path):
     assert res["configs"] == ["bf16", "fp8-all"]
     assert res["workload"]["gen_len"] == 4096 and res["workload"]["batch"] == 64
     assert [r["repeat"] for r in res["runs"] if r["config"] == "fp8-all"] == [0, 1]
+
+
+def test_load_model_from_checkpoint_dir_and_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        harness.load_model(str(d))
+    (d / "config.json").write_text(json.dumps({"vocab_size": 64, "_name_or_path": "org/my-model"}))
+    with pytest.raises(ValueError, match="safetensors"):
+        harness.load_model(str(d))
+    save_file({"w": torch.ones(2, 2, dtype=torch.bfloat16)}, str(d / "model.safetensors"))
+    name, cfg, sd, path = harness.load_model(str(d))
+    assert name == "org/my-model" and cfg["vocab_size"] == 64 and set(sd) == {"w"} and path == str(d)
+    with pytest.raises(ValueError, match="neither"):
+        harness.load_model("no-such-model")

@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-
 from fp8rl.perf import model as pm
 
 PAPER_ROWS = {"bf16": (249_952, 11.10), "fp8-linear": (299_344, 13.29), "fp8-all": (598_672, 26.57)}
@@ -134,13 +133,18 @@ def test_gemm_ceiling():
 
 
 def test_names_paths_and_hardware_matching(tmp_path):
-    cfg = json.loads((pm._perf_files() / "models" / "qwen3-8b.json").read_text())
+    from fp8rl import fixtures
+
+    cfg = fixtures.published_config("Qwen3-8B")
     d = tmp_path / "my-model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))
     assert pm.load_model_spec(d).num_params() == pm.load_model_spec("Qwen3-8B-Base").num_params()
     assert pm.load_model_spec(d / "config.json").name == "my-model"
     assert pm.normalize_model_name("Qwen/Qwen3-30B-A3B-Instruct") == "qwen3-30b-a3b"
+    assert {"Qwen3-8B", "Qwen3-30B-A3B", "tiny-qwen3", "tiny-qwen3-moe"} <= set(pm.known_models())
+    tiny = pm.load_model_spec("tiny-qwen3-moe")
+    assert tiny.is_moe and tiny.num_experts == 8 and tiny.num_experts_per_tok == 2
     with pytest.raises(ValueError, match="neither"):
         pm.load_model_spec("no-such-model")
     assert pm.match_hardware("NVIDIA H100 80GB HBM3").name == "H100-SXM-80GB"

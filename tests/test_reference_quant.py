@@ -593,7 +593,7 @@ def test_presets_have_descriptions_and_valid_policies_exact():
                 "verl_torch", "te_blockwise_pow2", "sglang_group", "torchao", "deepseek_ref", "rocm_fnuz"}
     assert required <= set(PRESETS)
     for name, p in PRESETS.items():
-        assert p.name == name and "engines.md" in p.description or "paper.md" in p.description
+        assert p.name == name and ("engines.md" in p.description or "paper.md" in p.description)
         assert get_policy(name) is p and get_policy(p) is p
 
 

@@ -24,11 +24,11 @@ class PerfModel(Benchmark):
     def track_speedup_ceiling(self, model, config):
         return self.pm.speedup_ceiling(self.spec, self.hw, config, self.wl)
 
-    track_speedup_ceiling.unit = "ratio"
+    track_speedup_ceiling.unit = "ratio"  # type: ignore[attr-defined]
 
     def track_kv_capacity_ratio(self, model, config):
         budget = self.pm.memory_budget(self.hw, 0.9)
         base = self.pm.kv_capacity_tokens(self.spec, "bf16", budget)
         return self.pm.kv_capacity_tokens(self.spec, config, budget) / max(base, 1)
 
-    track_kv_capacity_ratio.unit = "ratio"
+    track_kv_capacity_ratio.unit = "ratio"  # type: ignore[attr-defined]

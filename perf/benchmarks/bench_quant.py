@@ -51,7 +51,7 @@ class QuantizeRecipe(Benchmark):
         qt = self.quant.quantize(self.x, self.g, self.policy)
         return sqnr_db(self.x, qt.dequantize())
 
-    track_sqnr.unit = "dB"
+    track_sqnr.unit = "dB"  # type: ignore[attr-defined]
 
 
 class BlockQuantize4096(Benchmark):
@@ -79,4 +79,4 @@ class BlockQuantize4096(Benchmark):
         tv = min(timeit.repeat(lambda: self.verl(self.x), number=1, repeat=2))
         return to / tv
 
-    track_ratio_oracle_over_verl.unit = "ratio"
+    track_ratio_oracle_over_verl.unit = "ratio"  # type: ignore[attr-defined]

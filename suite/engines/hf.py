@@ -9,7 +9,6 @@ transformers has no FP8 rollout path: the FP8 recipes and weight sync are declar
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 from typing import Any
@@ -41,11 +40,14 @@ class HFEngine(Engine):
         return f"transformers {transformers.__version__}"
 
     def capabilities(self) -> CapabilityMap:
-        have = all(importlib.util.find_spec(m) is not None for m in ("transformers", "safetensors"))
-        rollout: bool | str = True if have else "transformers/safetensors are not installed (pip install transformers)"
+        from fp8rl.reference.rollout import transformers_reason
+
+        reason = transformers_reason()
+        rollout: bool | str = True if reason is None else reason
         return {
             "weight_sync": _FP8_REASON.format(what="weight-sync (blockwise FP8 quantization)"),
             "rollout": rollout,
+            "update_weights": rollout,
             "rollout.bf16": rollout,
             "rollout.fp8-linear": _FP8_REASON.format(what="W8A8 linear"),
             "rollout.fp8-kv": _FP8_REASON.format(what="KV-cache"),
@@ -95,7 +97,7 @@ class HFEngine(Engine):
         gc = GenerationConfig(max_new_tokens=int(max_new_tokens), do_sample=not greedy, temperature=1.0,
                               eos_token_id=None, pad_token_id=0, output_logits=True,
                               return_dict_in_generate=True)
-        with single_thread(), torch.random.fork_rng(), torch.inference_mode():
+        with single_thread(), torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(int(seed))
             out = handle.model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
                                         generation_config=gc)

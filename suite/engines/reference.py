@@ -166,23 +166,23 @@ class ReferenceEngine(Engine):
     # -- END correction section -------------------------------------------------------------------------------------
 
     # -- area weight_sync / e2e (BEGIN e2e section) -----------------------------------------------------------------
-    # weight_sync: fp8rl.reference.weight_sync with the engine's own quantize() (so a kernel plugged in for
-    # block quantization flows into weight sync) under its declared scale_policy("block"). Rollouts:
-    # fp8rl.reference.rollout.RolloutPolicy (transformers model classes, emulated FP8 numerics) running on this
-    # engine's synced weights, with activations quantized under scale_policy("group").
+    # weight_sync: fp8rl.reference.weight_sync (the oracle's block quantizer) under the declared
+    # scale_policy("block"); an engine with its own weight-sync kernel overrides weight_sync (or
+    # _weight_sync_recipe for other filters/block sizes). Rollouts: fp8rl.reference.rollout.RolloutPolicy
+    # (transformers model classes, emulated FP8 numerics) running on this engine's weight_sync output, with
+    # activations quantized under scale_policy("group").
 
     #: weight-sync results of the oracle quantizer, shared by every instance: (weights digest, recipe) → tensors
     _E2E_SYNC_MEMO: dict = {}
 
     def _caps_e2e(self) -> CapabilityMap:
-        import importlib.util
-
-        from fp8rl.reference.rollout import RECIPES
+        from fp8rl.reference.rollout import RECIPES, transformers_reason
 
         caps: CapabilityMap = {"weight_sync": True}
-        have = all(importlib.util.find_spec(m) is not None for m in ("transformers", "safetensors"))
-        status: bool | str = True if have else "transformers/safetensors are not installed (pip install transformers)"
+        reason = transformers_reason()
+        status: bool | str = True if reason is None else reason
         caps["rollout"] = status
+        caps["update_weights"] = status
         caps.update({f"rollout.{r}": status for r in RECIPES})
         return caps
 
@@ -195,15 +195,13 @@ class ReferenceEngine(Engine):
         from fp8rl.reference import weight_sync as ws
 
         recipe = self._weight_sync_recipe()
-        if type(self).quantize is not ReferenceEngine.quantize:  # a plugged-in quantizer: never share results
-            return ws.quantize_state_dict(state_dict, recipe, quantize_fn=self.quantize)
-        # the oracle's quantizer is a pure function of (weights, policy): memoize across engine instances
+        # the oracle's quantizer is a pure function of (weights, recipe): memoize across engine instances
         from fp8rl.fixtures import digest_state_dict
 
         key = (digest_state_dict(dict(state_dict)), recipe)
         hit = ReferenceEngine._E2E_SYNC_MEMO.get(key)
         if hit is None:
-            hit = ws.quantize_state_dict(state_dict, recipe, quantize_fn=self.quantize)
+            hit = ws.quantize_state_dict(state_dict, recipe)
             if len(ReferenceEngine._E2E_SYNC_MEMO) >= 8:
                 ReferenceEngine._E2E_SYNC_MEMO.pop(next(iter(ReferenceEngine._E2E_SYNC_MEMO)))
             ReferenceEngine._E2E_SYNC_MEMO[key] = hit
@@ -214,7 +212,7 @@ class ReferenceEngine(Engine):
 
         r = get_recipe(recipe)
         synced = self.weight_sync(state_dict) if r.fp8_linear else None
-        return RolloutPolicy(config, state_dict, r, synced=synced, act_policy=self.scale_policy("group"))
+        return RolloutPolicy(config, state_dict, r, synced=synced, act_policy=self.scale_policy("group"), memo=True)
 
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
         return handle.generate(prompts, max_new_tokens, greedy=greedy, seed=seed)

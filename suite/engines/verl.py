@@ -1,0 +1,192 @@
+"""veRL as an engine under test for the rollout-correction area.
+
+Calls veRL's real functions (``verl==0.9.1``, pure Python): ``verl.trainer.ppo.rollout_corr_helper.
+compute_rollout_correction_and_rejection_mask`` (IS weights, RS mask, IS/RS/off-policy metrics),
+``verl.utils.debug.metrics.calculate_debug_metrics`` (probability-space mismatch metrics) and
+``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` / ``compute_policy_loss_reinforce`` (the loss with
+``rollout_is_weights``). The suite's :class:`~fp8rl.reference.correction.CorrectionConfig` maps 1:1 onto veRL's
+``algorithm.rollout_correction`` keys; metric names map as in :data:`METRIC_MAP`.
+
+veRL is optional: without it the engine still loads and every capability says how to install it.
+Install (pure-Python wheel, no CUDA): ``pip install -c constraints.txt -e '.[verl]'`` then
+``pip install --no-deps verl==0.9.1`` (veRL's own requirements pull vLLM-era pins, wandb, datasets, …; the
+rollout-correction modules only need the ``[verl]`` extra: ray, tensordict, omegaconf, transformers, codetiming,
+orjson, packaging, numpy).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from fp8rl.engine import CapabilityMap, Engine, Unsupported
+
+VERL_VERSION = "0.9.1"
+INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
+                f"tensordict, omegaconf, transformers, codetiming, orjson, packaging), or run `nox -s conformance_verl`")
+
+#: veRL metric (without the ``rollout_corr/`` prefix) → the suite's canonical name
+METRIC_MAP: dict[str, str] = {
+    "kl": "kl_k1",
+    "k3_kl": "kl_k3",
+    "training_ppl": "training_ppl",
+    "rollout_ppl": "rollout_ppl",
+    "training_log_ppl": "training_log_ppl",
+    "rollout_log_ppl": "rollout_log_ppl",
+    "log_ppl_diff": "log_ppl_diff",
+    "log_ppl_abs_diff": "log_ppl_abs_diff",
+    "log_ppl_diff_max": "log_ppl_diff_max",
+    "log_ppl_diff_min": "log_ppl_diff_min",
+    "ppl_ratio": "ppl_ratio",
+    "chi2_token": "chi2_token",
+    "chi2_seq": "chi2_seq",
+    "rollout_is_mean": "is_weight_mean",
+    "rollout_is_eff_sample_size": "is_ess",
+    "rollout_is_ratio_fraction_high": "is_fraction_high",
+    "rollout_is_ratio_fraction_low": "is_fraction_low",
+    "rollout_is_oob_ratio": "is_oob_fraction",
+    "rollout_is_batch_norm_factor": "is_batch_norm_factor",
+    "rollout_rs_masked_fraction": "rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction": "rs_seq_masked_fraction",
+}
+DEBUG_METRIC_MAP: dict[str, str] = {
+    "training/rollout_probs_diff_max": "probs_diff_max",
+    "training/rollout_probs_diff_mean": "probs_diff_mean",
+    "training/rollout_probs_diff_std": "probs_diff_std",
+    "training/rollout_actor_probs_pearson_corr": "probs_pearson_corr",
+}
+
+
+def _import_verl() -> tuple[Any, str | None]:
+    """(the veRL modules as a namespace, or None; the reason when unavailable)."""
+    try:
+        import verl
+        from verl.trainer.ppo import core_algos, rollout_corr_helper
+        from verl.utils.debug import metrics as debug_metrics
+        from verl.workers.config.actor import FSDPActorConfig
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"
+        if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] == "verl":
+            return None, INSTALL_HINT
+        return None, f"verl is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+
+    class _Mods:
+        pass
+
+    mods = _Mods()
+    mods.verl, mods.helper, mods.core, mods.debug = verl, rollout_corr_helper, core_algos, debug_metrics
+    mods.actor_config = FSDPActorConfig
+    return mods, None
+
+
+class VerlEngine(Engine):
+    """veRL's rollout-correction helpers (CPU tensors) behind the engine protocol."""
+
+    name = "verl"
+    description = ("veRL (verl==0.9.1) rollout_corr_helper: TIS/IcePop IS weights, k1/k2/k3 rejection sampling, "
+                   "mismatch metrics, PPO-clip/REINFORCE losses with rollout_is_weights")
+
+    def __init__(self) -> None:
+        self._mods, self._reason = _import_verl()
+
+    def version(self) -> str:
+        if self._mods is None:
+            return "verl not installed"
+        return f"verl {getattr(self._mods.verl, '__version__', '?')}"
+
+    def capabilities(self) -> CapabilityMap:
+        if self._mods is None:
+            return {k: self._reason or INSTALL_HINT for k in ("rollout_correction", "rollout_correction.geometric",
+                                                              "rollout_correction.veto", "rollout_correction.loss")}
+        return {
+            "rollout_correction": True,
+            "rollout_correction.geometric": "veRL's rollout_is accepts only 'token' and 'sequence' (geometric IS "
+                                            "existed in the Oct-2025 mismatch_helper; geometric RS is seq_mean_k1)",
+            "rollout_correction.veto": "veRL removed rollout_token_veto_threshold in #4544 (Jan 2026); "
+                                       "seq_max_k2/k3 replaces it",
+            "rollout_correction.loss": True,
+        }
+
+    # -- ops -------------------------------------------------------------------------------------------------------
+    def _require(self) -> Any:
+        if self._mods is None:
+            raise Unsupported(self._reason or INSTALL_HINT)
+        return self._mods
+
+    @staticmethod
+    def _is_threshold(spec: Any) -> Any:
+        """A (lo, hi) pair → veRL's "lo_hi" string; floats and strings pass through."""
+        if isinstance(spec, (tuple, list)):
+            return f"{float(spec[0])!r}_{float(spec[1])!r}"
+        return spec
+
+    @staticmethod
+    def _rs_threshold(spec: Any) -> Any:
+        """A sequence of per-option thresholds (each a number, string or (lo, hi) pair) → veRL's comma list."""
+        if isinstance(spec, (tuple, list)):
+            return ",".join(str(VerlEngine._is_threshold(s)) for s in spec)
+        return spec
+
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        from fp8rl.reference.correction import CorrectionResult
+
+        mods = self._require()
+        if config.rollout_is == "geometric":
+            raise Unsupported("veRL has no geometric IS level (rollout_is must be 'token' or 'sequence')")
+        if config.rollout_token_veto_threshold is not None:
+            raise Unsupported("veRL 0.9.1 has no rollout_token_veto_threshold (removed in #4544)")
+        proto, new_mask, metrics = mods.helper.compute_rollout_correction_and_rejection_mask(
+            old_log_prob=train_logp,
+            rollout_log_prob=rollout_logp,
+            response_mask=mask,
+            rollout_is=config.rollout_is,
+            rollout_is_threshold=self._is_threshold(config.rollout_is_threshold),
+            rollout_is_batch_normalize=config.rollout_is_batch_normalize,
+            rollout_rs=config.rollout_rs,
+            rollout_rs_threshold=self._rs_threshold(config.rollout_rs_threshold),
+        )
+        weights = None if proto is None else proto.batch["rollout_is_weights"]
+        out: dict[str, float] = {}
+        for key, value in metrics.items():
+            short = key.removeprefix("rollout_corr/")
+            name = METRIC_MAP.get(short)
+            if name is None and short.startswith("rollout_rs_") and short.endswith("masked_fraction"):
+                name = "rs_" + short.removeprefix("rollout_rs_")
+            if name is not None:
+                out[name] = float(value)
+        if config.rollout_is == "token" and not config.icepop and "is_fraction_high" in out:
+            # token-level TIS: veRL's fraction above U is exactly the truncated fraction
+            out["is_fraction_truncated"] = out["is_fraction_high"]
+        out.update(self._debug_metrics(mods, train_logp, rollout_logp, mask))
+        return CorrectionResult(weights, new_mask, out)
+
+    @staticmethod
+    def _debug_metrics(mods, train_logp, rollout_logp, mask) -> dict[str, float]:
+        from verl.protocol import DataProto
+
+        data = DataProto.from_dict(tensors={
+            "old_log_probs": train_logp.detach(), "rollout_log_probs": rollout_logp.detach(),
+            "response_mask": mask, "responses": torch.zeros(mask.shape, dtype=torch.long)})
+        with warnings.catch_warnings():  # torch's "degrees of freedom <= 0" for one valid token (NaN std/corr)
+            warnings.simplefilter("ignore", UserWarning)
+            got = mods.debug.calculate_debug_metrics(data)
+        return {DEBUG_METRIC_MAP[k]: float(v) for k, v in got.items() if k in DEBUG_METRIC_MAP}
+
+    def correction_loss(self, logp, old_logp, advantages, mask, weights, config):
+        mods = self._require()
+        actor = mods.actor_config(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                                  use_dynamic_bsz=False, clip_ratio=config.clip_ratio_low,
+                                  clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+                                  clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.agg)
+        if config.kind == "ppo_clip":
+            loss, _ = mods.core.compute_policy_loss_vanilla(
+                old_log_prob=old_logp, log_prob=logp, advantages=advantages, response_mask=mask,
+                loss_agg_mode=config.agg, config=actor, rollout_is_weights=weights)
+        else:
+            loss, _ = mods.core.compute_policy_loss_reinforce(
+                rollout_log_prob=old_logp, log_prob=logp, advantages=advantages, response_mask=mask,
+                loss_agg_mode=config.agg, config=actor, rollout_is_weights=weights)
+        return loss
+
+
+__all__ = ["DEBUG_METRIC_MAP", "INSTALL_HINT", "METRIC_MAP", "VerlEngine"]

@@ -1,0 +1,151 @@
+"""The weight-sync oracle: names, exclusions, scale convention, writer/loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fp8rl import fixtures as F
+from fp8rl import tolerances
+from fp8rl.reference import weight_sync as ws
+from fp8rl.reference.quant import Granularity, get_policy, quantize
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return F.tiny_model("tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return F.tiny_model("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def dense_synced(dense):
+    return ws.quantize_state_dict(dense.state_dict)
+
+
+def test_default_filters_pick_projections_and_experts_only(moe):
+    names = ws.quantized_names(moe.state_dict)
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert len(names) == 2 * (4 + 8 * 3)
+    for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight",
+              "model.layers.0.self_attn.q_norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert n not in names
+    assert ws.ignored_layers(moe.state_dict) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert not ws.is_quantized_name("model.layers.0.mlp.shared_expert_gate.weight", (1, 256))
+    assert not ws.is_quantized_name("model.layers.0.self_attn.q_proj.weight", (256,))  # 1-D: never
+
+
+def test_quantize_state_dict_layout_and_values(dense, dense_synced):
+    sd, out = dense.state_dict, dense_synced
+    g = Granularity.block(128)
+    keys = list(out)
+    for n in ws.quantized_names(sd):
+        w, s = out[n], out[ws.scale_name(n)]
+        assert keys.index(ws.scale_name(n)) == keys.index(n) + 1
+        assert w.dtype == torch.float8_e4m3fn and w.shape == sd[n].shape
+        assert s.dtype == torch.float32 and tuple(s.shape) == g.scale_shape(tuple(sd[n].shape))
+        ref = quantize(sd[n], g, "reference")
+        assert torch.equal(w.view(torch.uint8), ref.codes) and torch.equal(s, ref.scale)
+    for n, t in sd.items():
+        if n not in ws.quantized_names(sd):
+            assert out[n] is t
+    assert out["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (2, 3)
+
+
+def test_scale_is_the_dequant_multiplier_within_the_roundtrip_bound(dense, dense_synced):
+    deq = ws.dequantize_state_dict(dense_synced, dtype=torch.float64)
+    assert set(deq) == set(dense.state_dict)
+    for n in ws.quantized_names(dense.state_dict):
+        x = dense.state_dict[n].double()
+        qt = ws.synced_tensors(dense_synced)[n]
+        bound = tolerances.quant_roundtrip_bound(x.abs(), qt.expanded_scale(), "e4m3fn")
+        assert bool(((deq[n] - x).abs() <= bound).all()), n
+
+
+def test_recipe_overrides_and_verl_policies(moe):
+    out = ws.quantize_state_dict(moe.state_dict, exclude=(), include=(r"(^|\.)mlp\.gate\.weight$",))
+    assert set(ws.synced_tensors(out)) == {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+    w = moe.state_dict["model.layers.0.self_attn.o_proj.weight"]
+    for preset in ("verl_triton", "verl_torch", "deepgemm_block"):
+        out = ws.quantize_state_dict({"x.o_proj.weight": w}, policy=preset)
+        ref = quantize(w, Granularity.block(128), preset)
+        assert torch.equal(out["x.o_proj.weight"].view(torch.uint8), ref.codes)
+        assert torch.equal(out["x.o_proj.weight_scale_inv"], ref.scale)
+    with pytest.raises(ValueError, match="invalid regex"):
+        ws.WeightSyncRecipe(exclude=("(",))
+
+
+def test_fp32_master_weights_are_cast_to_bf16_first():
+    torch.manual_seed(0)
+    w32 = torch.randn(130, 200)
+    out = ws.quantize_state_dict({"a.q_proj.weight": w32})
+    ref = quantize(w32.to(torch.bfloat16), Granularity.block(128), "reference")
+    assert torch.equal(out["a.q_proj.weight"].view(torch.uint8), ref.codes)
+
+
+def test_quantize_fn_hook_receives_every_weight(dense):
+    seen = []
+
+    def qfn(x, g):
+        seen.append(tuple(x.shape))
+        return quantize(x, g, get_policy("reference"))
+
+    ws.quantize_state_dict(dense.state_dict, quantize_fn=qfn)
+    assert len(seen) == len(ws.quantized_names(dense.state_dict))
+
+
+def test_writer_produces_a_block_fp8_checkpoint_and_the_loader_dequantizes_it(tmp_path, moe):
+    from safetensors import safe_open
+
+    d = ws.write_hf_checkpoint(tmp_path / "ckpt", moe.config, moe.state_dict, tokenizer_dir=F.tokenizer_dir())
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert {k: qc[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == \
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert qc["ignored_layers"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert cfg["torch_dtype"] == "bfloat16" and (d / "tokenizer.json").exists()
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.3.up_proj.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("model.layers.0.mlp.experts.3.up_proj.weight_scale_inv").get_dtype() == "F32"
+        assert f.get_slice("model.layers.0.mlp.gate.weight").get_dtype() == "BF16"
+    config, sd = ws.load_hf_checkpoint(d)
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert set(sd) == set(moe.state_dict) and all(t.dtype == torch.bfloat16 for t in sd.values())
+    want = ws.dequantize_state_dict(ws.quantize_state_dict(moe.state_dict))
+    assert all(torch.equal(sd[k], want[k]) for k in sd)
+    _, raw = ws.load_hf_checkpoint(d, dequantize=False)
+    assert raw["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_loader_accepts_the_weight_scale_name(tmp_path, dense):
+    from safetensors.torch import save_file
+
+    synced = ws.quantize_state_dict(dense.state_dict)
+    renamed = {(k[: -len("_inv")] if k.endswith("_scale_inv") else k): v for k, v in synced.items()}
+    d = tmp_path / "c"
+    d.mkdir()
+    save_file(renamed, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({**dense.config, "quantization_config": ws.quantization_config()}))
+    _, sd = ws.load_hf_checkpoint(d)
+    assert set(sd) == set(dense.state_dict)
+
+
+def test_bf16_checkpoint_round_trips(tmp_path, dense):
+    d = ws.write_hf_checkpoint(tmp_path / "b", dense.config, dense.state_dict, fp8=False)
+    cfg, sd = ws.load_hf_checkpoint(d)
+    assert "quantization_config" not in cfg
+    assert all(torch.equal(sd[k], dense.state_dict[k]) for k in sd)
+
+
+def test_synced_tensors_rejects_malformed_pairs():
+    bad = {"a.weight": torch.zeros(4, 4, dtype=torch.bfloat16), "a.weight_scale_inv": torch.ones(1, 1)}
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        ws.synced_tensors(bad)
+    bad = {"a.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 1)}
+    with pytest.raises(ValueError, match="scale"):
+        ws.synced_tensors(bad)
