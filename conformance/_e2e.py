@@ -161,9 +161,10 @@ def within_budget(res: CaseResult) -> list[str]:
 
 def fmt_case(res: CaseResult) -> str:
     m = res.metrics
+    fd = f", first divergence per prompt {res.first_divergence}" if res.first_divergence else ""
     return (f"{res.model} [{res.variant}] {res.recipe}: k3 KL {m['k3_kl']:.3g}, token_mult_prob_error "
             f"{m['token_mult_prob_error']:.4f}, max |Δlogp| {m['max_abs_dlogp']:.3g}, mean |Δlogp| "
-            f"{m['mean_abs_dlogp']:.3g}, first divergence per prompt {res.first_divergence}")
+            f"{m['mean_abs_dlogp']:.3g}{fd}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

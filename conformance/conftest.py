@@ -23,7 +23,7 @@ def engine(engine_name: str) -> GuardedEngine:
     return GuardedEngine(load_engine(engine_name))
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def seed(request: pytest.FixtureRequest) -> int:
     """Per-check seed: the run's --fp8rl-seed mixed with the check's node id (stable across runs)."""
     base = request.config.getoption("--fp8rl-seed")

@@ -18,7 +18,7 @@ NaN inputs always encode to NaN (sign preserved where the format has a signed Na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Literal
 
 import numpy as np
@@ -215,7 +215,7 @@ def _lut_shift(f: FP8Format) -> int:
     return 23 - f.man_bits - 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _encode_lut(fmt: str, overflow: str) -> np.ndarray:
     """Code table indexed by (fp32 bits above the round-bit position ‖ sticky bit).
 
@@ -286,9 +286,11 @@ def _encode_codes_direct(a: np.ndarray, f: FP8Format, overflow: str, e8m0_roundi
     overflowed = (e_field > max_e_field) | ((e_field == max_e_field) & (m_field > (max_code & ((1 << f.man_bits) - 1))))
     overflowed = (overflowed & ~is_zero) | is_inf
     sign_shift = f.exp_bits + f.man_bits
+    ov_code: int
     if overflow == "saturate":
         ov_code = max_code
     elif overflow == "inf":
+        assert f.inf_code is not None  # validated by encode_codes
         ov_code = f.inf_code
     else:
         ov_code = f.nan_code

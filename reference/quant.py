@@ -259,7 +259,7 @@ def get_policy(name_or_policy: str | ScalePolicy) -> ScalePolicy:
 
 
 def _positive_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+    return bool(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0)
 
 
 @dataclass(frozen=True)

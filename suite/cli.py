@@ -19,7 +19,7 @@ PROFILE_CHOICES = ("ci", "full", "nightly")
 
 
 def _console() -> Console:
-    return Console(stderr=False, highlight=False, soft_wrap=True)
+    return Console(stderr=False, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ CAPABILITY_OPS: dict[str, tuple[str, ...]] = {
     "cast": ("cast", "cast_overflow"),
     "quantize": ("quantize", "scale_policy"),
     "gemm": ("block_gemm",),
+    "weight_sync": ("weight_sync", "_weight_sync_recipe", "scale_policy"),
+    "rollout": ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy"),
+    "update_weights": ("update_weights",),
 }
 
 

@@ -44,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="under pytest-xdist, pin each worker to one GPU (CUDA_VISIBLE_DEVICES = worker mod #GPUs)")
     group.addoption("--fp8rl-mutant-matrix", default="area", choices=["area", "full"],
                     help="mutant runs: check each mutant with its own area's checks (default) or every check")
+    group.addoption("--fp8rl-threads", default=1, type=int, metavar="N",
+                    help="torch intra-op CPU threads during a conformance run (default 1: checks use small "
+                         "tensors, and xdist provides the parallelism)")
     group.addoption("--fp8rl-timeout", default=None, type=float, metavar="S",
                     help="override every check's timeout (seconds); a check that runs longer is an error")
 
@@ -77,6 +80,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if gpu is not None:  # before any engine touches CUDA in this worker
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     profile = config.getoption("--fp8rl-profile")
+    if profile or config.getoption("--fp8rl-engine"):
+        import torch
+
+        torch.set_num_threads(max(1, config.getoption("--fp8rl-threads")))
     if profile:
         from fp8rl import strategies
 

@@ -21,6 +21,7 @@ BUILTINS: dict[str, str] = {
     "torch": "fp8rl.engines.torch_native:TorchEngine",
     "torch-cuda": "fp8rl.engines.torch_native:TorchCudaEngine",
     "verl": "fp8rl.engines.verl:VerlEngine",
+    "hf": "fp8rl.engines.hf:HFEngine",
 }
 
 
