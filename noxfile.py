@@ -41,10 +41,10 @@ def mutants(session: nox.Session) -> None:
 
 @nox.session
 def conformance_verl(session: nox.Session) -> None:
-    """Correction area against veRL 0.9.1 (own venv: veRL pins transformers<5.11; verl itself --no-deps)."""
+    """Correction and weight-sync areas against veRL 0.9.1 (own venv: veRL pins transformers<5.11; verl itself --no-deps)."""
     session.install(*CONSTRAINTS, "-e", ".[test,verl]")
     session.install("--no-deps", "verl==0.9.1")
-    session.run("fp8rl", "conformance", "--engine", "verl", "--area", "correction",
+    session.run("fp8rl", "conformance", "--engine", "verl", "--area", "correction", "--area", "weight_sync",
                 "--out", "fp8rl-report-verl", *session.posargs)
     session.run("pytest", "-o", "addopts=", "-q", "tests/test_verl_engine.py")
 

@@ -157,3 +157,116 @@ def test_threshold_mapping_exact():
     assert V.VerlEngine._is_threshold((0.5, 5)) == "0.5_5.0" and V.VerlEngine._is_threshold(2.0) == 2.0
     assert V.VerlEngine._rs_threshold([(0.5, 2.0), 3.0, "0.1_9"]) == "0.5_2.0,3.0,0.1_9"
     assert V.VerlEngine._rs_threshold("0.5_2.0,3") == "0.5_2.0,3"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# weight sync (capability ``weight_sync``): veRL's real SGLang/TRT-LLM quantizer + name filter, PyTorch path
+
+
+def test_without_verl_weight_sync_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verl", None)
+    eng = V.VerlEngine()
+    reason = capability_reason(eng, "weight_sync")
+    assert reason is not None and reason.startswith("verl not installed: pip install"), reason
+    with pytest.raises(Unsupported, match="verl not installed"):
+        eng.weight_sync({})
+
+
+verl_ws_only = pytest.mark.skipif(V._import_verl()[0] is None or V._import_verl_fp8()[0] is None,
+                                  reason=V._import_verl_fp8()[1] or V.INSTALL_HINT)
+
+_Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _weight_with_zero_block() -> torch.Tensor:
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(200, 320, generator=g) * 0.02).to(torch.bfloat16)  # partial edge blocks both ways
+    w[:128, :128] = 0
+    return w
+
+
+@verl_ws_only
+def test_weight_sync_capability_and_declared_policy(eng):
+    from fp8rl.reference.quant import get_policy
+
+    assert eng.capabilities()["weight_sync"] is True
+    assert eng.scale_policy("block") == get_policy("verl_torch")
+    with pytest.raises(Unsupported):
+        eng.scale_policy("group")
+    assert V.FP8_UTILS_IMPORT["how"] == "real" or V.FP8_UTILS_IMPORT["how"].startswith("stand-in")
+    fk = V._import_verl_fp8()[0].fp8_kernel  # scaled_fp8_blockwise takes its PyTorch path
+    assert fk._DISABLE_TRITON_FP8 or not fk.is_triton_available()
+
+
+@verl_ws_only
+def test_weight_sync_bit_exact_vs_verl_torch_preset_and_zero_block_scale_one(eng):
+    """veRL's PyTorch path == the oracle's verl_torch preset, bit for bit (partial edge blocks, ceil-div scale
+    grid); an all-zero block gets dequant scale 1.0 (the oracle's default and veRL's Triton path: 1e-10/448)."""
+    from fp8rl.reference import weight_sync as ws
+
+    sd = {_Q: _weight_with_zero_block()}
+    got = eng.weight_sync(sd)
+    assert set(got) == {_Q, _Q + "_scale_inv"}
+    want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy="verl_torch"))
+    s = got[_Q + "_scale_inv"]
+    assert got[_Q].dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and tuple(s.shape) == (2, 3)
+    assert torch.equal(got[_Q].view(torch.uint8), want[_Q].view(torch.uint8))
+    assert torch.equal(s, want[_Q + "_scale_inv"])
+    assert s[0, 0].item() == 1.0
+    for other in ("reference", "verl_triton"):
+        o = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=other))[_Q + "_scale_inv"]
+        assert o[0, 0].item() == pytest.approx(1e-10 / 448, rel=1e-6)
+
+
+@verl_ws_only
+def test_weight_sync_declared_policy_is_not_the_default(eng):
+    """On the tiny dense fixture the verl_torch preset differs from the oracle's default (s = 1/(448/a) vs a/448
+    moves scales by an ulp and flips codes), so the bit-exact WSYNC checks do test the declaration."""
+    from fp8rl import fixtures
+    from fp8rl.reference import weight_sync as ws
+
+    sd = fixtures.tiny_model("tiny-qwen3").state_dict
+    a = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy="verl_torch"))
+    b = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy="reference"))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("_scale_inv"))
+
+
+@verl_ws_only
+def test_finding_name_filter_quantizes_shared_expert_gate(eng):
+    """veRL's SGLang/TRT-LLM filter includes any '.weight' containing 'mlp': a Qwen2-MoE-style
+    mlp.shared_expert_gate.weight (a (1, hidden) gate, not a projection) is shipped FP8; the spec keeps it BF16.
+    (The tiny fixtures have no shared-expert gate, so no WSYNC check sees it.)"""
+    from fp8rl.reference import weight_sync as ws
+
+    name = "model.layers.0.mlp.shared_expert_gate.weight"
+    sd = {name: (torch.randn(1, 320, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)}
+    got = eng.weight_sync(sd)
+    assert got[name].dtype == torch.float8_e4m3fn and tuple(got[name + "_scale_inv"].shape) == (1, 3)
+    assert not ws.is_quantized_name(name, (1, 320))
+    # the router itself is excluded by the literal "mlp.gate.weight" pattern
+    router = "model.layers.0.mlp.gate.weight"
+    assert eng.weight_sync({router: sd[name]})[router].dtype == torch.bfloat16
+
+
+@verl_ws_only
+def test_finding_silent_bf16_fallback_without_process_group(eng):
+    """quant_weights_by_name calls torch.distributed.get_rank() inside try/except Exception: without a process
+    group every weight is shipped unquantized BF16 (no scale), with only a log line. The adapter runs it inside a
+    1-rank gloo group and leaves no group behind."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    ns = V._import_verl_fp8()[0]
+    helper = ns.sglang.SGLangFP8QuantizerHelper(ns.sglang.build_sglang_fp8_quant_config())
+    sd = {_Q: _weight_with_zero_block()}
+
+    async def drain():
+        return [kv async for kv in helper.quant_weights_by_name(list(sd.items()), dtype=torch.bfloat16)]
+
+    raw = asyncio.run(drain())
+    assert [(k, v.dtype) for k, v in raw] == [(_Q, torch.bfloat16)]
+    got = eng.weight_sync(sd)
+    assert got[_Q].dtype == torch.float8_e4m3fn and not dist.is_initialized()

@@ -45,6 +45,7 @@ def test_without_vllm_every_capability_has_a_reason(no_vllm):
 def test_vendor_xfails_file_is_valid():
     entries = parse_id_file(XFAILS)
     assert entries, "vllm.xfails has no entries"
+    import fp8rl.conformance.test_e2e  # noqa: F401  (registers the E2E-* checks)
     import fp8rl.conformance.test_kv  # noqa: F401  (registers the KV-* checks)
     from fp8rl.checks import CHECKS
 

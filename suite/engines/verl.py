@@ -1,4 +1,4 @@
-"""veRL as an engine under test for the rollout-correction area.
+"""veRL as an engine under test for the rollout-correction and weight-sync areas.
 
 Calls veRL's real functions (``verl==0.9.1``, pure Python): ``verl.trainer.ppo.rollout_corr_helper.
 compute_rollout_correction_and_rejection_mask`` (IS weights, RS mask, IS/RS/off-policy metrics),
@@ -12,15 +12,40 @@ Install (pure-Python wheel, no CUDA): ``pip install -c constraints.txt -e '.[ver
 ``pip install --no-deps verl==0.9.1`` (veRL's own requirements pull vLLM-era pins, wandb, datasets, …; the
 rollout-correction modules only need the ``[verl]`` extra: ray, tensordict, omegaconf, transformers, codetiming,
 orjson, packaging, numpy).
+
+Weight sync (capability ``weight_sync``): veRL's trainer-side FP8 weight sync for SGLang/TRT-LLM, run for real —
+``verl.utils.sglang.sglang_fp8_utils.SGLangFP8QuantizerHelper(build_sglang_fp8_quant_config())
+.quant_weights_by_name(state_dict.items(), dtype=torch.bfloat16)``: veRL's name-based parameter filter
+(``FP8QuantizerHelper.should_quantize_param`` + SGLang ``ignored_layers``), the ``v.to(dtype)`` cast, veRL's
+quantizer ``verl.utils.kernel.fp8_kernel.scaled_fp8_blockwise`` and its ``name + "_scale_inv"`` naming (the same
+``*_weight_scale_inv`` convention as the oracle: no renaming by the adapter). The quantizer must take its PyTorch
+path (``_scaled_fp8_blockwise_pytorch``: triton absent, or ``VERL_DISABLE_TRITON_FP8=1`` before veRL is
+imported); the declared ``scale_policy("block")`` is then the ``verl_torch`` preset. With the Triton path active the
+capability says so (the Triton kernel needs a GPU and is the ``verl_triton`` preset; not driven here).
+Two environment notes, both honest about what runs:
+
+* ``verl.utils.fp8_utils`` imports ``verl.workers.rollout.utils``, which imports ``uvicorn`` and ``fastapi`` (HTTP
+  server code unrelated to quantization). If exactly those are missing, the adapter imports ``fp8_utils`` with a
+  temporary stand-in for that one module that provides only ``ensure_async_iterator`` — a verbatim copy of veRL's
+  6-line helper — and removes the stand-in right after; every other line that runs is veRL's.
+  ``pip install uvicorn fastapi`` makes the adapter use the real module.
+* ``quant_weights_by_name`` calls ``torch.distributed.get_rank()`` (for a debug log) inside a ``try`` whose
+  ``except Exception`` ships the weight **unquantized**; without a process group every weight would silently stay
+  BF16. The adapter therefore runs it inside a 1-rank gloo group (``HashStore``) when none is initialized, and
+  destroys the group afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import types
 import warnings
 from typing import Any
 
 import torch
-from fp8rl.engine import CapabilityMap, Engine, Unsupported
+from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
@@ -58,6 +83,65 @@ DEBUG_METRIC_MAP: dict[str, str] = {
 }
 
 
+async def _ensure_async_iterator(iterable):
+    """Verbatim copy of ``verl.workers.rollout.utils.ensure_async_iterator`` (verl 0.9.1), used only when that
+    module cannot be imported for want of uvicorn/fastapi (see the module docstring)."""
+    if hasattr(iterable, "__aiter__"):
+        async for item in iterable:
+            yield item
+    else:
+        for item in iterable:
+            yield item
+
+
+#: what the adapter did to import veRL's fp8_utils ("real" or the stand-in note), for reports and tests
+FP8_UTILS_IMPORT: dict[str, str] = {}
+
+
+def _import_verl_fp8() -> tuple[Any, str | None]:
+    """(namespace with veRL's weight-sync quantizer + SGLang parameter filter, or None; reason when unusable)."""
+    try:
+        import verl  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "verl":
+            return None, INSTALL_HINT
+        return None, f"verl does not import ({exc}); {INSTALL_HINT}"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"verl is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    stub_name = "verl.workers.rollout.utils"
+    if "verl.utils.kernel.fp8_kernel" not in sys.modules:
+        # fp8_kernel reads the switch once, at import: force the PyTorch path unless the user chose otherwise
+        os.environ.setdefault("VERL_DISABLE_TRITON_FP8", "1")
+    try:
+        try:
+            from verl.utils import fp8_utils
+            FP8_UTILS_IMPORT["how"] = "real"
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("uvicorn", "fastapi") or stub_name in sys.modules:
+                raise
+            stub = types.ModuleType(stub_name)
+            stub.ensure_async_iterator = _ensure_async_iterator  # type: ignore[attr-defined]
+            sys.modules[stub_name] = stub
+            try:
+                from verl.utils import fp8_utils
+            finally:
+                if sys.modules.get(stub_name) is stub:
+                    del sys.modules[stub_name]
+            FP8_UTILS_IMPORT["how"] = (f"stand-in for {stub_name} ({exc.name} not installed): only "
+                                       "ensure_async_iterator, a verbatim copy")
+        from verl.utils.kernel import fp8_kernel
+        from verl.utils.sglang import sglang_fp8_utils
+    except Exception as exc:  # noqa: BLE001
+        return None, (f"veRL's FP8 weight-sync modules do not import ({type(exc).__name__}: {exc}); "
+                      "pip install uvicorn fastapi (verl.workers.rollout.utils needs them)")
+    if fp8_kernel.is_triton_available() and not fp8_kernel._DISABLE_TRITON_FP8:
+        return None, ("veRL's scaled_fp8_blockwise would take its Triton path (triton imports and "
+                      "VERL_DISABLE_TRITON_FP8 was not 1 when veRL was imported): the suite drives the PyTorch "
+                      "path; set VERL_DISABLE_TRITON_FP8=1")
+    ns = types.SimpleNamespace(fp8_utils=fp8_utils, fp8_kernel=fp8_kernel, sglang=sglang_fp8_utils)
+    return ns, None
+
+
 def _import_verl() -> tuple[Any, str | None]:
     """(the veRL modules as a namespace, or None; the reason when unavailable)."""
     try:
@@ -84,10 +168,14 @@ class VerlEngine(Engine):
 
     name = "verl"
     description = ("veRL (verl==0.9.1) rollout_corr_helper: TIS/IcePop IS weights, k1/k2/k3 rejection sampling, "
-                   "mismatch metrics, PPO-clip/REINFORCE losses with rollout_is_weights")
+                   "mismatch metrics, PPO-clip/REINFORCE losses with rollout_is_weights; FP8 weight sync "
+                   "(SGLangFP8QuantizerHelper name filter + scaled_fp8_blockwise, PyTorch path)")
 
     def __init__(self) -> None:
         self._mods, self._reason = _import_verl()
+        self._fp8: Any
+        self._fp8_reason: str | None
+        self._fp8, self._fp8_reason = _import_verl_fp8() if self._mods is not None else (None, self._reason)
 
     def version(self) -> str:
         if self._mods is None:
@@ -97,8 +185,10 @@ class VerlEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         if self._mods is None:
             return {k: self._reason or INSTALL_HINT for k in ("rollout_correction", "rollout_correction.geometric",
-                                                              "rollout_correction.veto", "rollout_correction.loss")}
+                                                              "rollout_correction.veto", "rollout_correction.loss",
+                                                              "weight_sync")}
         return {
+            "weight_sync": True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT),
             "rollout_correction": True,
             "rollout_correction.geometric": "veRL's rollout_is accepts only 'token' and 'sequence' (geometric IS "
                                             "existed in the Oct-2025 mismatch_helper; geometric RS is seq_mean_k1)",
@@ -107,7 +197,46 @@ class VerlEngine(Engine):
             "rollout_correction.loss": True,
         }
 
+    def scale_policy(self, kind: str):
+        """veRL's weight quantizer is blockwise only; its PyTorch path is the ``verl_torch`` preset."""
+        from fp8rl.reference.quant import get_policy
+
+        if kind != "block":
+            raise Unsupported(f"veRL quantizes weights 128x128 blockwise only (no {kind!r} quantizer)")
+        return get_policy("verl_torch")
+
     # -- ops -------------------------------------------------------------------------------------------------------
+    def weight_sync(self, state_dict):
+        """veRL's SGLang/TRT-LLM trainer-side weight sync, run for real (see the module docstring)."""
+        if self._fp8 is None:
+            raise Unsupported(self._fp8_reason or INSTALL_HINT)
+        import torch.distributed as dist
+
+        helper = self._fp8.sglang.SGLangFP8QuantizerHelper(self._fp8.sglang.build_sglang_fp8_quant_config())
+        items = list(dict(state_dict).items())
+
+        async def _drain():
+            return [kv async for kv in helper.quant_weights_by_name(items, dtype=torch.bfloat16)]
+
+        own_group = False
+        if not dist.is_initialized():
+            if not (dist.is_available() and dist.is_gloo_available()):
+                raise Unsupported("veRL's quant_weights_by_name needs torch.distributed (get_rank) and this torch "
+                                  "has no gloo backend")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            own_group = True
+        try:
+            pairs = asyncio.run(_drain())
+        finally:
+            if own_group:
+                dist.destroy_process_group()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in pairs:
+            if name in out:
+                raise EngineError(f"veRL weight sync yielded {name!r} twice")
+            out[name] = t
+        return out
+
     def _require(self) -> Any:
         if self._mods is None:
             raise Unsupported(self._reason or INSTALL_HINT)
@@ -189,4 +318,4 @@ class VerlEngine(Engine):
         return loss
 
 
-__all__ = ["DEBUG_METRIC_MAP", "INSTALL_HINT", "METRIC_MAP", "VerlEngine"]
+__all__ = ["DEBUG_METRIC_MAP", "FP8_UTILS_IMPORT", "INSTALL_HINT", "METRIC_MAP", "VerlEngine"]

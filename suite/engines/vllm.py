@@ -25,7 +25,8 @@ glue that maps the suite's tensors to vLLM's calling conventions (documented per
   (the op takes Python floats ``k_scale``/``v_scale``).
 
 Unavailable ops say why (CUDA-only stubs, Triton disabled, AMX required, no runtime KV recalibration).
-Engine-level rollouts (``vllm.LLM``) are not part of this adapter yet; see the module's capability reasons.
+Rollouts: ``vllm.LLM`` (one engine-core process per configuration, shared by every check) on the tiny fixtures,
+BF16 and FP8 (e4m3) KV cache; weight updates through ``LLM.collective_rpc("reload_weights", weights_path=...)``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _platform() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _vllm_config():
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
 
     cfg = _default_config()
     with set_current_vllm_config(cfg):
@@ -167,7 +168,7 @@ class VllmEngine(Engine):
                                 "k/v scales come only from a quantized checkpoint's k_scale/v_scale, else 1.0")
         caps["kv.update_scales"] = (
             f"vllm {v}: no runtime recalibration or scale-push API: a BF16 model served with kv_cache_dtype fp8 has "
-            "no loadable k_scale/v_scale and runs with the default scale 1.0 (only a log warning: 'Using fp8 data "
+            "no loadable k_scale/v_scale and runs with the default scale 1.0 (only an INFO log line: 'Using fp8 data "
             "type to store kv cache ... may cause accuracy drop without a proper scaling factor'); a reload keeps "
             "the old scales unless the stream carries *.k_scale/*.v_scale (only for FP8-quant-config models)")
         return caps
@@ -219,7 +220,10 @@ class VllmEngine(Engine):
                 q, s = op.forward_native(x32)
             scale = s.reshape(1) if kind == "tensor" else s
         elif kind == "channel":
-            from vllm.model_executor.layers.quantization.online.fp8 import _fp8_channel_scale, _fp8_quant_per_channel
+            from vllm.model_executor.layers.quantization.online.fp8 import (
+                _fp8_channel_scale,
+                _fp8_quant_per_channel,
+            )
 
             if x32.dim() != 2:
                 raise Unsupported(f"per-channel weight quantization needs a 2-D weight, got {tuple(x32.shape)}")
@@ -313,8 +317,14 @@ class VllmEngine(Engine):
     #: (config json, recipe) → [LLM, digest of the loaded weights, checkpoint dir]
     _LLMS: dict = {}
     #: recipe → LLM keyword arguments (kv "fp8" = e4m3 with vLLM's default k/v scale 1.0: a BF16 checkpoint has no
-    #: loadable k_scale/v_scale and vLLM 0.32 has no calibration)
-    RECIPE_KWARGS: dict[str, dict] = {"bf16": {"kv_cache_dtype": "auto"}, "fp8-kv": {"kv_cache_dtype": "fp8"}}
+    #: loadable k_scale/v_scale and vLLM 0.32 has no calibration). The ``vllm-*`` entries are vLLM-only
+    #: configurations outside the suite's recipes (measured by ``python -m fp8rl.engines.vllm``, not by the checks).
+    RECIPE_KWARGS: dict[str, dict] = {
+        "bf16": {"kv_cache_dtype": "auto"},
+        "fp8-kv": {"kv_cache_dtype": "fp8"},
+        "vllm-fp8-e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
+        "vllm-fp8-per-channel": {"kv_cache_dtype": "auto", "quantization": "fp8_per_channel"},
+    }
 
     def _llm(self, config: dict, state_dict: Any, recipe: str, extra: dict | None = None):
         import json
@@ -336,6 +346,10 @@ class VllmEngine(Engine):
 
             d = tempfile.mkdtemp(prefix="fp8rl-vllm-")
             write_hf_checkpoint(d, config, state_dict, fp8=False)
+            if not VllmEngine._LLMS:
+                import atexit
+
+                atexit.register(_shutdown_all)
             llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
                       skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, **kwargs)
             entry = VllmEngine._LLMS[key] = [llm, digest, d]
@@ -397,3 +411,56 @@ class VllmEngine(Engine):
             lps.append([float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)])
         tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
         return RolloutOutput(tokens, torch.tensor(lps, dtype=torch.float32))
+
+
+def _shutdown_all() -> None:
+    """Stop every engine-core process at exit (before vLLM's own finalizers, which log to streams pytest has
+    already closed and print '--- Logging error ---' tracebacks) and remove the checkpoint directories."""
+    import logging
+    import shutil
+
+    logging.raiseExceptions = False
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.handlers.clear()
+    vllm_logger.addHandler(logging.NullHandler())
+    vllm_logger.propagate = False
+    for llm, _, d in list(VllmEngine._LLMS.values()):
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(d, ignore_errors=True)
+    VllmEngine._LLMS.clear()
+
+
+def kv_scales_in_use(handle: Any) -> dict[str, tuple[float, float]]:
+    """The k/v scales each attention layer of a running rollout engine uses (host copies the CPU kernel reads)."""
+
+    def _scales(worker):
+        out = {}
+        for name, mod in worker.model_runner.get_model().named_modules():
+            if hasattr(mod, "_k_scale_float"):
+                out[name] = (float(mod._k_scale_float), float(mod._v_scale_float))
+        return out
+
+    return handle["entry"][0].collective_rpc(_scales)[0]
+
+
+def _main() -> None:  # pragma: no cover - evidence script for the vLLM-only configurations (needs vllm)
+    """Mismatch of the vLLM-only configurations vs the BF16 trainer, and the KV scales vLLM runs with."""
+    import os
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
+    from fp8rl.conformance import _e2e as E
+
+    eng = VllmEngine()
+    for recipe in ("fp8-kv", "vllm-fp8-e5m2-kv", "vllm-fp8-per-channel"):
+        res = E.measure(eng, "tiny-qwen3", recipe)
+        print(E.fmt_case(res))
+    from fp8rl import fixtures
+
+    m = fixtures.tiny_model("tiny-qwen3")
+    h = eng.rollout_init(m.config, m.state_dict, "fp8-kv")
+    print("fp8-kv k/v scales in use:", kv_scales_in_use(h))
+
+
+if __name__ == "__main__":
+    _main()
