@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -129,7 +129,6 @@ class GuardedEngine:
     """Wraps an engine; validates every op's output (type, shape, dtype, NaN) and wraps its exceptions."""
 
     inner: Engine
-    calls: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -149,7 +148,6 @@ class GuardedEngine:
         return lambda *a, **k: self._call(item, *a, **k)
 
     def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append(op)
         try:
             out = getattr(self.inner, op)(*args, **kwargs)
         except Unsupported as exc:

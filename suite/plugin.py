@@ -16,7 +16,6 @@ import platform
 import sys
 import time
 import warnings
-from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -150,8 +149,16 @@ def _matches(prefix: str, spec: CheckSpec, item: pytest.Item) -> bool:
 
 
 def _case(item: pytest.Item) -> str:
+    """The check's parameter id, without the engine parameter of multi-engine runs."""
     callspec = getattr(item, "callspec", None)
-    return callspec.id if callspec is not None else ""
+    if callspec is None:
+        return ""
+    case = callspec.id
+    if "engine_name" in callspec.params:
+        engine_id = f"engine={callspec.params['engine_name']}"
+        parts = case.split(engine_id, 1)
+        case = "-".join(p.strip("-") for p in parts if p.strip("-"))
+    return case
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -184,7 +191,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if timeout:
             it.add_marker(pytest.mark.timeout(timeout), append=False)
         it.user_properties.append(("fp8rl_check", {"id": spec.id, "area": spec.area, "title": spec.title,
-                                                   "bound": spec.bound, "case": _case(it)}))
+                                                   "bound": spec.bound, "case": _case(it),
+                                                   "engine": _item_engine(it, config)}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ class _RunState:
             return
         entry = self.results.setdefault(report.nodeid, {
             **meta, "nodeid": report.nodeid, "outcome": "passed", "message": "", "duration_s": 0.0,
-            "metrics": {}, "engine": _engine_of(report.nodeid, self.config)})
+            "metrics": {}})
         entry["duration_s"] += float(report.duration)
         if "fp8rl_metrics" in props:
             metrics = dict(props["fp8rl_metrics"])
@@ -289,16 +297,6 @@ class _RunState:
                                          f"{self.config.getoption('--fp8rl-seed')}); pytest {report.nodeid}]")
         elif report.when == "teardown" and report.failed and entry["outcome"] == "passed":
             entry["outcome"], entry["message"] = "error", _message(report)
-
-
-def _engine_of(nodeid: str, config: pytest.Config) -> str:
-    names = engine_names(config)
-    if len(names) == 1:
-        return names[0]
-    for n in names:
-        if f"engine={n}" in nodeid:
-            return n
-    return names[0]
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -372,4 +370,4 @@ def environment() -> dict[str, str]:
             "platform": platform.platform(), "device": device, "cpu": cpu, "cpu_count": str(os.cpu_count())}
 
 
-__all__ = ["PROFILES", "asdict", "engine_names", "environment", "parse_id_file"]
+__all__ = ["PROFILES", "engine_names", "environment", "parse_id_file"]

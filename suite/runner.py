@@ -55,7 +55,6 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
                 continue
             c = {k: r[k] for k in ("id", "area", "title", "nodeid", "case", "outcome", "message", "bound",
                                    "metrics")}
-            c["case"] = re.sub(r"-?engine=[^-\]]*(?::[^-\]]*)?", "", c["case"]).strip("-")
             c["duration_s"] = round(float(r["duration_s"]), 6)
             checks.append(c)
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))

@@ -219,3 +219,18 @@ def test_xdist_run_gives_the_same_outcomes(tmp_path):
     a = {(c["id"], c["case"]): c["outcome"] for c in _report(serial)["checks"]}
     b = {(c["id"], c["case"]): c["outcome"] for c in _report(parallel)["checks"]}
     assert a == b and len(a) >= 16
+
+
+def test_multi_engine_reports_keep_clean_case_labels(tmp_path):
+    """With several engines (hyphenated mutant names included) each engine's report names the check's own
+    parameters only, exactly as a single-engine run does."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "fp8rl.conformance", "-p", "no:cacheprovider",
+                        "-q", "-o", "addopts=", "-k", "test_cast_sweep", "--fp8rl-profile", "ci",
+                        "--fp8rl-engine", "reference", "--fp8rl-engine", "mutant:cast-no-saturation",
+                        "--fp8rl-report-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1, r.stdout[-2000:]  # the mutant fails
+    from fp8rl.engine import ELEMENT_FORMATS
+
+    for name in ("reference", "mutant_cast-no-saturation"):
+        rep = _report(tmp_path / "engines" / name)
+        assert {c["case"] for c in rep["checks"]} == set(ELEMENT_FORMATS), rep["checks"]
