@@ -23,6 +23,24 @@ def cast_sweep(fmt: str) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([base, up, down, special]).astype(np.float32))
 
 
+def all_bf16() -> torch.Tensor:
+    """Every bfloat16 bit pattern (65,536 values: ±0, subnormals, normals, ±inf, NaNs) as a bf16 tensor."""
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def bf16_sweep() -> torch.Tensor:
+    """fp32 inputs for fp32 → bf16 rounding: every finite bf16 value, every exact tie between bf16 neighbours
+    (low 16 bits 0x8000, even and odd kept parts), each tie ± 1 fp32 ulp, the largest finite fp32 values (which
+    round to ±inf), fp32 subnormals, ±inf and NaNs with payloads only in the dropped bits."""
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    finite_hi = hi[(hi & 0x7F800000) != 0x7F800000]
+    ties = finite_hi | 0x8000
+    parts = [finite_hi, ties, ties + 1, ties - 1,
+             np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000,
+                       0x7FC00000, 0x7F800001, 0xFFC00001], dtype=np.uint32)]
+    return torch.from_numpy(np.concatenate(parts).astype(np.uint32).view(np.float32).copy())
+
+
 def scaled_normal(rng: np.random.Generator, shape: tuple[int, ...], spread: int = 8) -> torch.Tensor:
     """Gaussian values whose rows/columns span ±``spread`` binades (so groups get very different scales)."""
     x = rng.standard_normal(shape).astype(np.float32)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from fp8rl.checks import assert_codes_equal, check
 from fp8rl.engine import ELEMENT_FORMATS
-from fp8rl.reference.formats import encode, get_format
+from fp8rl.reference.formats import bf16_bits_rne, encode, get_format
 from fp8rl.strategies import fp32_near_fp8
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ._inputs import cast_sweep
+from ._inputs import all_bf16, bf16_sweep, cast_sweep
 
 FORMATS = pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
 
@@ -66,3 +66,34 @@ def test_cast_property_exact(engine, fmt):
                            context=f"cast fp32→{fmt} hypothesis", inputs=x)
 
     inner()
+
+
+@FORMATS
+@check("CAST-BF16IN-001", "Casting a bf16 tensor (all 65,536 bf16 bit patterns: subnormals, ±max, ±inf, NaNs) "
+       "to FP8 gives exactly the oracle's codes of the same values (bf16 ⊂ fp32, so one rounding), whatever "
+       "internal path the engine takes for 16-bit inputs.", requires=["cast.{fmt}"])
+def test_cast_from_bf16_exact(engine, fmt):
+    x = all_bf16()
+    got = engine.cast(x, fmt)
+    x32 = x.to(torch.float32)
+    assert_codes_equal(got, encode(x32, fmt, engine.cast_overflow(fmt)), fmt, context=f"cast bf16→{fmt}",
+                       inputs=x32)
+
+
+@check("CAST-BF16-001", "Rounding fp32 to bf16 gives the oracle's bf16 bits (round to nearest, ties to even; "
+       "overflow to ±inf; subnormals kept) for every finite bf16 value, every tie between bf16 neighbours, each "
+       "± 1 fp32 ulp and the specials; a NaN input gives a NaN (any payload).", requires=["cast.bf16"])
+def test_round_bf16_exact(engine):
+    x = bf16_sweep()
+    got = engine.round_bf16(x).view(torch.int16).numpy().astype(np.uint16)
+    expected = bf16_bits_rne(x)
+    xn = x.numpy()
+    is_nan = np.isnan(xn)
+    got_nan = ((got & 0x7FFF) > 0x7F80)
+    bad = np.where(is_nan, ~got_nan, got != expected)
+    if bad.any():
+        idx = np.flatnonzero(bad)[:6]
+        rows = [f"x={float(xn[i])!r} (0x{xn[i:i + 1].view(np.uint32)[0]:08x}): expected 0x{int(expected[i]):04x}, "
+                f"got 0x{int(got[i]):04x}" for i in idx]
+        raise AssertionError(f"fp32→bf16: {int(bad.sum())}/{bad.size} values differ from round-to-nearest-even; "
+                             "first: " + "; ".join(rows))

@@ -335,6 +335,22 @@ def round_to_format(x, fmt: str | FP8Format, overflow: OverflowPolicy = "saturat
     return decode(encode_codes(x, fmt, overflow), fmt).reshape(np.shape(_as_numpy_f32(x)))
 
 
+def bf16_bits_rne(x) -> np.ndarray:
+    """fp32 → bfloat16 bit patterns (uint16), round to nearest, ties to even; the IEEE/NVIDIA ``cvt.rn.bf16.f32``.
+
+    bf16 is the top half of fp32, so with b = fp32 bits: ``b' = (b + 0x7FFF + ((b >> 16) & 1)) >> 16`` — adding just
+    under half an ulp of the kept part, plus one when the kept part is odd, rounds to nearest with ties to even;
+    a carry out of the mantissa moves to the next binade and past the largest finite bf16 lands on ±inf (the
+    correct overflow). NaN inputs keep their sign and become the quiet NaN ``0x7FC0`` (a truncated payload could be
+    an infinity). Subnormals need nothing special: bf16 and fp32 share the exponent range.
+    """
+    b = _as_numpy_f32(x).view(np.uint32).astype(np.uint64)
+    rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint32)
+    sign = ((b >> 16) & 0x8000).astype(np.uint32)
+    is_nan = (b & 0x7FFFFFFF) > 0x7F800000
+    return np.where(is_nan, sign | 0x7FC0, rounded & 0xFFFF).astype(np.uint16)
+
+
 def codes_to_torch(codes: torch.Tensor, fmt: str | FP8Format) -> torch.Tensor:
     """Reinterpret uint8 codes as the matching torch fp8 dtype (no value change)."""
     return codes.to(torch.uint8).view(get_format(fmt).torch_dtype())

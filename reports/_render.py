@@ -91,7 +91,7 @@ def _meta_rows(report: dict) -> list[tuple[str, str]]:
         ("started at", report["started_at"]),
         ("duration", f"{report['duration_s']:.2f} s"),
         ("command", " ".join(report["command"])),
-    ]
+    ] + [("instrument note", n) for n in report["engine"].get("notes", [])]
 
 
 def _mutation_line(report: dict) -> str:

@@ -166,6 +166,11 @@ class GuardedEngine:
     def scale_policy(self, kind: str):
         return self._call("scale_policy", kind)
 
+    def round_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._call("round_bf16", x)
+        _expect_tensor(out, f"{self.name}.round_bf16", shape=tuple(x.shape), dtype=torch.bfloat16)
+        return out
+
     def cast(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         out = self._call("cast", x, fmt)
         _expect_tensor(out, f"{self.name}.cast", shape=tuple(x.shape), dtype=torch.uint8)

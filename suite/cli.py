@@ -206,6 +206,17 @@ def _version() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
+class _OnceAction(argparse.Action):
+    """Store an option that may be given only once (a repeated ``--engine`` would silently replace the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_seen_{self.dest}", False):
+            parser.error(f"{option_string}: given more than once; run one engine per invocation (got "
+                         f"{getattr(namespace, self.dest)!r} and {values!r})")
+        setattr(namespace, f"_seen_{self.dest}", True)
+        setattr(namespace, self.dest, values)
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8rl", description="FP8 rollout numerics: conformance, mutants, perf")
     p.add_argument("--version", action="version", version=f"fp8rl {_version()}")
@@ -224,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-n", "--workers", type=int, default=None, help="pytest-xdist workers")
 
     c = sub.add_parser("conformance", help="run the conformance checks against an engine")
-    c.add_argument("--engine", default="torch", help="built-in name, entry point or pkg.module:factory (default torch)")
+    c.add_argument("--engine", default="torch", action=_OnceAction,
+                   help="built-in name, entry point or pkg.module:factory (default torch); one engine per run")
     c.add_argument("--profile", default="ci", choices=PROFILE_CHOICES)
     c.add_argument("--out", default="fp8rl-report", help="report directory (default ./fp8rl-report)")
     c.add_argument("--xfails", default=None, help="vendor xfails file (default: the packaged one for the engine)")

@@ -7,7 +7,8 @@ unavailable capability is *skipped with that reason*, never passed.
 Capability keys (stable; later areas add theirs):
 
 ========================  ====================================================================================
-``cast.<fmt>``            ``cast(x, fmt)`` for fmt in e4m3fn, e5m2, e4m3fnuz, e5m2fnuz (fp32 → codes)
+``cast.<fmt>``            ``cast(x, fmt)`` for fmt in e4m3fn, e5m2, e4m3fnuz, e5m2fnuz (fp32 or bf16 → codes)
+``cast.bf16``             ``round_bf16(x)``: fp32 → bfloat16 (round to nearest even)
 ``quantize.<kind>``       ``quantize(x, granularity)`` for kind in tensor, token, channel, group, block
 ``gemm.block``            ``block_gemm(a, w, out_dtype)``: W8A8 GEMM of 1×G activations and B×B weights
 ``gemm.tensor``           ``block_gemm`` with per-tensor scaled operands
@@ -43,7 +44,7 @@ GEMM_KINDS = ("block", "tensor", "row")
 #: matrix: a deterministic mutant that overrides none of a check's methods returns the reference's answers for it.
 #: Areas add their prefixes here; a prefix missing from this map is never pruned.
 CAPABILITY_OPS: dict[str, tuple[str, ...]] = {
-    "cast": ("cast", "cast_overflow"),
+    "cast": ("cast", "cast_overflow", "round_bf16"),
     "quantize": ("quantize", "scale_policy"),
     "gemm": ("block_gemm",),
     "weight_sync": ("weight_sync", "_weight_sync_recipe", "scale_policy"),
@@ -73,6 +74,11 @@ class Engine:
     def version(self) -> str:
         return "unknown"
 
+    def instrument_notes(self) -> list[str]:
+        """What the results rely on beyond the engine's own code (e.g. a Triton-interpreter workaround); every
+        report of this engine names each note (report.json ``engine.notes``, the Markdown/HTML header)."""
+        return []
+
     def capabilities(self) -> CapabilityMap:
         return {}
 
@@ -89,6 +95,10 @@ class Engine:
     def cast(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         """Round fp32 ``x`` to ``fmt``; return uint8 codes of the same shape."""
         raise Unsupported(f"{self.name} has no cast op")
+
+    def round_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """Round fp32 ``x`` to bfloat16 (capability ``cast.bf16``); return a ``torch.bfloat16`` tensor, same shape."""
+        raise Unsupported(f"{self.name} has no bf16 rounding op")
 
     def quantize(self, x: torch.Tensor, granularity: Granularity) -> QuantizedTensor:
         """Quantize ``x`` with the engine's declared policy for ``granularity.kind``."""

@@ -141,6 +141,16 @@ class FlushSubnormals(_CastMutant):
 # quantization mutants
 
 
+@mutant("bf16-truncating-round", "fp32 → bf16 drops the low 16 bits (round toward zero) instead of rounding to "
+        "nearest even (what an unrounded cast or a bit-shift gives)", "formats")
+class TruncatingBf16(ReferenceEngine):
+    def round_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        bits = x.detach().float().cpu().contiguous().numpy().view(np.uint32) >> 16
+        nan = np.isnan(x.detach().float().cpu().numpy())
+        bits = np.where(nan, bits | 0x40, bits)  # keep NaNs NaN (a bare shift could give ±inf)
+        return torch.from_numpy(bits.astype(np.uint16).view(np.int16).copy()).view(torch.bfloat16).reshape(x.shape)
+
+
 @mutant("missing-eps", "scale computed without the eps floor: an all-zero block gives a 0/NaN scale", "quantization")
 class MissingEps(ReferenceEngine):
     def quantize(self, x, granularity):

@@ -23,6 +23,8 @@ BUILTINS: dict[str, str] = {
     "verl": "fp8rl.engines.verl:VerlEngine",
     "hf": "fp8rl.engines.hf:HFEngine",
     "vllm": "fp8rl.engines.vllm:VllmEngine",
+    "triton-interpret": "fp8rl.engines.triton_interpret:TritonInterpretEngine",
+    "triton-interpret-faithful": "fp8rl.engines.triton_interpret:TritonInterpretFaithfulEngine",
 }
 
 

@@ -34,8 +34,12 @@ def _describe_engine(name: str) -> dict[str, Any]:
     try:
         eng = load_engine(name)
         caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
-        return {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
-                "capabilities": caps}
+        out = {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
+               "capabilities": caps}
+        notes = [str(n) for n in eng.instrument_notes()]
+        if notes:
+            out["notes"] = notes
+        return out
     except EngineLoadError as exc:
         return {"name": name, "version": "unloadable", "capabilities": {}, "load_error": str(exc)}
 

@@ -234,3 +234,28 @@ def test_multi_engine_reports_keep_clean_case_labels(tmp_path):
     for name in ("reference", "mutant_cast-no-saturation"):
         rep = _report(tmp_path / "engines" / name)
         assert {c["case"] for c in rep["checks"]} == set(ELEMENT_FORMATS), rep["checks"]
+
+
+def test_instrument_notes_named_in_every_report_format(tmp_path):
+    r = fp8rl("conformance", "--engine", "support.bad_engines:WithNote", "--area", "formats", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    note = "results rely on shim X (validated by engine Y)"
+    assert _report(tmp_path)["engine"]["notes"] == [note]
+    assert note in (tmp_path / "report.md").read_text()
+    assert note in (tmp_path / "report.html").read_text()
+
+
+def test_round_bf16_wrong_dtype_is_an_error(tmp_path):
+    r = fp8rl("conformance", "--engine", "support.bad_engines:Bf16WrongDtype", "--area", "formats",
+              "--out", str(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    checks = {c["id"]: c for c in _report(tmp_path)["checks"] if c["id"] == "CAST-BF16-001"}
+    assert checks["CAST-BF16-001"]["outcome"] == "error"
+    assert "expected dtype torch.bfloat16" in checks["CAST-BF16-001"]["message"]
+
+
+def test_engine_given_twice_is_a_usage_error(tmp_path):
+    r = fp8rl("conformance", "--engine", "torch", "--engine", "reference", "--out", str(tmp_path))
+    assert r.returncode == 2
+    assert "--engine: given more than once" in r.stderr
+    assert not (tmp_path / "report.json").exists()

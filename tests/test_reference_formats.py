@@ -861,3 +861,25 @@ def test_lookup_table_path_equals_direct_encoder_exact(name, policy):
     direct = F._encode_codes_direct(x, f, policy, "nearest_ties_up")
     mismatch = np.flatnonzero(via_table != direct)
     assert mismatch.size == 0, [hex(int(patterns[i])) for i in mismatch[:5]]
+
+
+def test_bf16_bits_rne_matches_torch_and_ml_dtypes_exact():
+    """The oracle's fp32 → bf16 rounding equals two independent peers on every tie class, overflow, subnormals and
+    2^20 random fp32 bit patterns; NaN stays NaN (torch keeps payload bits, ml_dtypes and the oracle quiet it)."""
+    import ml_dtypes
+    from fp8rl.reference.formats import bf16_bits_rne
+
+    rng = np.random.default_rng(11)
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    bits = np.concatenate([hi, hi | 0x8000, (hi | 0x8000) + 1, (hi | 0x8000) - 1,
+                           rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)])
+    x = bits.view(np.float32)
+    ours = bf16_bits_rne(x)
+    t = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+    m = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    assert (ours[~nan] == t[~nan]).all() and (ours[~nan] == m[~nan]).all()
+    assert ((ours[nan] & 0x7FFF) > 0x7F80).all()
+    # hand-worked: 1 + 2^-8 is the tie between 1 and 1 + 2^-7 → even (1.0); 1 + 3·2^-8 → 1 + 2^-6 (even side up)
+    assert bf16_bits_rne(np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)).tolist() == [0x3F80, 0x3F82]
+    assert bf16_bits_rne(np.array([3.4028235e38], np.float32)).tolist() == [0x7F80]  # rounds past max → inf

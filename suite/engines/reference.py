@@ -48,6 +48,7 @@ class ReferenceEngine(Engine):
 
     def capabilities(self) -> CapabilityMap:
         caps: CapabilityMap = {f"cast.{f}": True for f in ELEMENT_FORMATS}
+        caps["cast.bf16"] = True
         caps.update({f"quantize.{k}": True for k in QUANT_KINDS})
         caps.update({f"gemm.{k}": True for k in GEMM_KINDS})
         caps.update(self._caps_kv())
@@ -65,6 +66,10 @@ class ReferenceEngine(Engine):
 
     def cast(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         return formats.encode(x, fmt, self.cast_overflow(fmt)).reshape(x.shape)
+
+    def round_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        bits = formats.bf16_bits_rne(x).astype("int16")
+        return torch.from_numpy(bits).view(torch.bfloat16).reshape(x.shape)
 
     def quantize(self, x: torch.Tensor, granularity: Granularity) -> QuantizedTensor:
         return quantize(x, granularity, self.scale_policy(granularity.kind))

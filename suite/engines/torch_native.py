@@ -64,6 +64,7 @@ class TorchEngine(Engine):
         caps: CapabilityMap = {}
         for f, dt in _TORCH_FP8.items():
             caps[f"cast.{f}"] = True if hasattr(torch, dt) else f"torch {torch.__version__} has no torch.{dt}"
+        caps["cast.bf16"] = True
         caps.update({f"quantize.{k}": True for k in QUANT_KINDS})
         caps["gemm.tensor"] = True
         caps["gemm.row"] = True
@@ -86,6 +87,9 @@ class TorchEngine(Engine):
     # -- ops -----------------------------------------------------------------------------------------------
     def cast(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         return x.to(self.device, torch.float32).to(_torch_dtype(fmt)).view(torch.uint8).cpu()
+
+    def round_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, torch.float32).to(torch.bfloat16).cpu()
 
     def quantize(self, x: torch.Tensor, granularity: Granularity) -> QuantizedTensor:
         x32 = x.to(self.device, torch.float32)

@@ -56,3 +56,19 @@ def not_an_engine():
 
 def factory_raises():
     raise RuntimeError("cannot open device")
+
+
+class WithNote(ReferenceEngine):
+    """Conformant, but its results rely on something outside the engine (reports must name it)."""
+
+    name = "with-note"
+
+    def instrument_notes(self):
+        return ["results rely on shim X (validated by engine Y)"]
+
+
+class Bf16WrongDtype(ReferenceEngine):
+    name = "bf16-wrong-dtype"
+
+    def round_bf16(self, x):
+        return x.to(torch.float16)
