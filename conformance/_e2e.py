@@ -144,6 +144,35 @@ def cached_case(engine: Any, model: str, recipe: str, variant: str = "base") -> 
     return res
 
 
+#: engines whose rollout configurations were pre-started (id → engine, kept alive so that the id is not reused)
+_PRESTARTED: dict[int, Any] = {}
+
+
+def prestart(engine: Any) -> None:
+    """Optional engine hook: an engine that starts a process per rollout configuration (vLLM: ~20 s per
+    ``vllm.LLM``) may define ``prestart_rollouts(cases)`` (cases: ``[(config, state_dict, recipe)]``) to start
+    every configuration the mismatch section needs at once. Called once per engine; any failure is left to
+    ``rollout_init`` of the case (which then reports it)."""
+    inner = getattr(engine, "inner", engine)
+    hook = getattr(inner, "prestart_rollouts", None)
+    if hook is None or id(engine) in _PRESTARTED:
+        return
+    _PRESTARTED[id(engine)] = engine
+    from fp8rl.checks import capability_reason
+
+    cases = []
+    for model in MODELS:
+        for recipe in RECIPES:
+            if capability_reason(engine, f"rollout.{recipe}") is None and (id(engine), model, "base", recipe) \
+                    not in _CACHE:
+                m = fixtures.tiny_model(model)
+                cases.append((m.config, m.state_dict, recipe))
+    try:
+        hook(cases)
+    except Exception:  # noqa: BLE001, S110 - each case reports its own failure from rollout_init
+        pass
+
+
 def budget(metric: str, model: str, recipe: str) -> float:
     return tolerances.e2e_budget(metric, model, recipe)
 
@@ -181,6 +210,7 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
     rows: list[list[Any]] = []
     plots = []
     notes = []
+    prestart(engine)
     for model in MODELS:
         series: dict[str, list[float]] = {}
         for recipe in RECIPES:

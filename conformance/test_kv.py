@@ -27,7 +27,7 @@ from fp8rl.checks import (
     record_metrics,
     record_section,
 )
-from fp8rl.engine import EngineError
+from fp8rl.engine import EngineError, Unsupported
 from fp8rl.reference import drift
 from fp8rl.reference import kv as kvref
 from fp8rl.reference.formats import decode_codes, get_format
@@ -253,6 +253,18 @@ def test_kv_store_property_exact(engine, layout):
 CASES = pytest.mark.parametrize("case", ("prefill-gqa", "varlen-causal", "decode-mqa", "noncausal-mha"))
 
 
+def _first_layout(engine, fmt: str, layouts: tuple[str, ...]) -> str:
+    """The first of ``layouts`` the engine declares a KV policy for (the last one's Unsupported propagates)."""
+    for layout in layouts[:-1]:
+        try:
+            engine.kv_policy(fmt, layout)
+            return layout
+        except (Unsupported, pytest.skip.Exception):  # the guarded engine turns Unsupported into a skip
+            continue
+    engine.kv_policy(fmt, layouts[-1])
+    return layouts[-1]
+
+
 def _check_attention_output(engine, out, q: torch.Tensor, context: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
         raise EngineError(f"{context}: expected a tensor of shape {tuple(q.shape)}, got "
@@ -264,13 +276,15 @@ def _check_attention_output(engine, out, q: torch.Tensor, context: str) -> torch
 @ALL_LAYOUTS
 @CASES
 @check("KV-ATTN-001", "FP8 attention over the caches (GQA/MQA/MHA, causal bottom-right and non-causal, variable "
-       "lengths, FP8 Q with q_scale ≠ 1, and without Q quantization) is within the derived fp32-arithmetic bound "
-       "of the oracle's FP8 attention on the same FP8 operands.", bound="kv_attention_arith",
+       "lengths, FP8 Q with q_scale ≠ 1 where the declared policy quantizes Q, and without Q quantization) is within "
+       "the derived fp32-arithmetic bound of the oracle's FP8 attention on the same FP8 operands.",
+       bound="kv_attention_arith",
        requires=["kv.attention"])
 def test_kv_attention_vs_oracle_bound(engine, fmt, layout, case, rng):
     q, kc, vc, q_scale, kw = attention_case(rng, case, fmt, layout)
     pol = engine.kv_policy(fmt, layout)
-    for qs in (q_scale, None):
+    # an engine whose declared policy keeps Q unquantized (quantize_q=False: no FP8 query) is given no q_scale
+    for qs in ((q_scale, None) if pol.quantize_q else (None,)):
         ctx = f"kv_attention[{fmt}/{layout}/{case}] q_scale={'none' if qs is None else f'{float(qs):.4g}'}"
         got = _check_attention_output(engine, engine.kv_attention(q, kc, vc, q_scale=qs, **kw), q, ctx)
         q_hat = kvref.to_f32(q).double() if qs is None else kvref.quantize_q(q, qs, pol.q_fmt, pol.q_quant_op)
@@ -283,12 +297,15 @@ def test_kv_attention_vs_oracle_bound(engine, fmt, layout, case, rng):
 
 
 @FORMATS
-@check("KV-ATTN-002", "Cache slots beyond each sequence's kv_len (random bytes, NaN codes, NaN token scales) "
-       "never influence the output, and rows of padded queries are exactly 0.", requires=["kv.attention"])
+@check("KV-ATTN-002", "Cache slots beyond each sequence's kv_len (random bytes, NaN/inf codes, NaN token scales "
+       "where the engine has per-token-head scales, else per-tensor scales) never influence the output, and rows of "
+       "padded queries are exactly 0.", requires=["kv.attention"])
 def test_kv_attention_padding_exact(engine, fmt, rng):
-    q, kc, vc, q_scale, kw = attention_case(rng, "varlen-causal", fmt, "token_head")
+    layout = _first_layout(engine, fmt, ("token_head", "tensor"))
+    q, kc, vc, q_scale, kw = attention_case(rng, "varlen-causal", fmt, layout)
+    q_scale = q_scale if engine.kv_policy(fmt, layout).quantize_q else None
     out = engine.kv_attention(q, kc, vc, q_scale=q_scale, **kw)
-    out = _check_attention_output(engine, out, q, f"kv_attention[{fmt}] varlen")
+    out = _check_attention_output(engine, out, q, f"kv_attention[{fmt}/{layout}] varlen")
     ql = kw["q_lengths"]
     for b in range(q.shape[0]):
         valid = out[b, : int(ql[b])]
@@ -319,7 +336,8 @@ def test_kv_attention_vs_unquantized_bound(engine, fmt, layout, rng):
         ks, vs = amax_scale(k, layout, fmt), amax_scale(v, layout, fmt)
         kc = engine.kv_store(k, ks, fmt=fmt, layout=layout)
         vc = engine.kv_store(v, vs, fmt=fmt, layout=layout)
-        got = _check_attention_output(engine, engine.kv_attention(q, kc, vc, q_scale=q_scale, **kw), q, case)
+        qs = q_scale if engine.kv_policy(fmt, layout).quantize_q else None
+        got = _check_attention_output(engine, engine.kv_attention(q, kc, vc, q_scale=qs, **kw), q, case)
         exact = kvref.attention(q, k, v, **kw)
         pol = kvref.default_policy(fmt, layout)
         ref8 = kvref.fp8_attention(q, kvref.quantize_kv(k, ks, pol), kvref.quantize_kv(v, vs, pol), q_scale=q_scale,
@@ -498,8 +516,9 @@ def test_kv_update_engine_side_reset(engine, fmt, seed):
 
 @FORMATS
 @check("KV-DEFAULT-001", "A layer that never received or calibrated scales must not silently run with the default "
-       "scale 1.0: with K/V/Q amax ≫ 448 the engine either refuses (MissingKVScales) or stores nothing clipped.",
-       requires=["kv.update_scales"])
+       "scale 1.0: with K/V/Q amax ≫ 448 the engine's own FP8 KV path (kv_forward with the scales it picks by "
+       "itself) either refuses (MissingKVScales) or clips nothing (K, V, and Q where the policy quantizes Q).",
+       requires=["kv.forward"])
 def test_kv_default_scale_flagged(engine, fmt, rng):
     fmax = get_format(fmt).max_finite
     q = torch.from_numpy(rng.standard_normal((1, 16, 4, 32)).astype(np.float32)) * 300
@@ -512,9 +531,13 @@ def test_kv_default_scale_flagged(engine, fmt, rng):
         if isinstance(exc.__cause__, kvref.MissingKVScales):
             return  # refused: the flag the spec asks for
         raise
+    if not isinstance(res, kvref.KVForward):
+        raise EngineError(f"kv_forward returned {type(res).__name__}, expected KVForward")
     s = res.scales
-    sat = {n: kvref.saturation_fraction(x, getattr(s, n), "tensor", f)
-           for n, x, f in (("q", q, "e4m3fn"), ("k", k, fmt), ("v", v, fmt))}
+    pol = engine.kv_policy(fmt, res.k_cache.layout)
+    named = (("q", q, pol.q_fmt),) if pol.quantize_q else ()  # an unquantized Q cannot clip
+    sat = {n: kvref.saturation_fraction(x, getattr(s, n), res.k_cache.layout, f)
+           for n, x, f in (*named, ("k", k, fmt), ("v", v, fmt))}
     record_metrics(mismatch_frac=max(sat.values()))
     ones = all(float(torch.as_tensor(getattr(s, n)).max()) == 1.0 for n in ("q", "k", "v"))
     assert max(sat.values()) == 0, (

@@ -13,6 +13,11 @@ from an HF config dict and a checkpoint-named state dict, and swaps its numerics
   to fp64 rounding) and rounded once to BF16 — what a W8A8 kernel with fp32 accumulation computes, without its
   accumulation error. Every weight the synced dict holds in FP8 runs this way (a quantized lm_head or router too);
   everything else stays BF16.
+* ``fp8-linear-ptpc``: W8A8 "PTPC" linear layers (vLLM ``quantization="fp8_per_channel"``, llm-compressor
+  FP8_DYNAMIC): the same layers as ``fp8-linear`` quantized per output channel (one scale per weight row, from the
+  BF16 weights under the weight ScalePolicy; no weight sync: the engine quantizes what it loads), activations
+  quantized dynamically per token under the activation ScalePolicy; exact dequantized operands, fp64 product
+  rounded once to BF16.
 * ``fp8-kv``: FP8 (e4m3fn) KV cache "for storage only" (verl PR #4435): post-RoPE keys and values are quantized
   per tensor and per layer, ``code = RNE_sat(clamp(x / s, ±448))``, and attention reads them dequantized (fp32
   attention math, output rounded to BF16).
@@ -83,17 +88,32 @@ class RolloutRecipe:
     kv_fmt: str = "e4m3fn"
     kv_calibration: str = "first_batch"
     act_group: int = 128
+    #: FP8 linear granularity: "block" (128×128 synced weights, 1×act_group activations) or "channel" (per-output-
+    #: channel weights, per-token activations: PTPC)
+    linear: str = "block"
 
     def __post_init__(self) -> None:
+        if self.linear not in ("block", "channel"):
+            raise ValueError(f"linear: expected 'block' or 'channel', got {self.linear!r}")
         if self.kv_calibration not in KV_CALIBRATIONS:
             raise ValueError(f"kv_calibration: expected one of {sorted(KV_CALIBRATIONS)}, got {self.kv_calibration!r}")
         if self.fp8_q and not self.fp8_kv:
             raise ValueError("fp8_q: FP8 attention needs the FP8 KV cache (fp8_kv=True)")
 
+    @property
+    def synced_weights(self) -> bool:
+        """True when the recipe runs on the weight-sync output (128×128 block FP8 weights + scales)."""
+        return self.fp8_linear and self.linear == "block"
+
+    def act_granularity(self) -> Granularity:
+        """Granularity of the dynamic activation quantization of the FP8 linear layers."""
+        return Granularity.token() if self.linear == "channel" else Granularity.group(self.act_group)
+
 
 RECIPES: dict[str, RolloutRecipe] = {r.name: r for r in (
     RolloutRecipe("bf16"),
     RolloutRecipe("fp8-linear", fp8_linear=True),
+    RolloutRecipe("fp8-linear-ptpc", fp8_linear=True, linear="channel"),
     RolloutRecipe("fp8-kv", fp8_kv=True),
     RolloutRecipe("fp8-all", fp8_linear=True, fp8_kv=True, fp8_q=True),
 )}
@@ -291,11 +311,12 @@ def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 class _ActQuant:
-    """Dynamic 1×G activation quantization under a ScalePolicy → exact fp64 dequantized activations."""
+    """Dynamic 1×G (or per-token) activation quantization under a ScalePolicy → exact fp64 dequantized
+    activations. ``group``: the group size G, or a Granularity (e.g. ``Granularity.token()``)."""
 
-    def __init__(self, policy: ScalePolicy, group: int) -> None:
+    def __init__(self, policy: ScalePolicy, group: int | Granularity) -> None:
         self.policy = policy
-        self.g = Granularity.group(group)
+        self.g = group if isinstance(group, Granularity) else Granularity.group(group)
 
     def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
         return fake_quant(x2d.float(), self.g, self.policy)
@@ -472,10 +493,11 @@ class RolloutPolicy:
 
     * ``config``: HF config dict; ``state_dict``: BF16 checkpoint-named weights (what the trainer holds);
     * ``recipe``: a :data:`RECIPES` name or a :class:`RolloutRecipe`;
-    * ``synced``: for FP8-linear recipes, the weight-sync output to run on (FP8 + ``*_scale_inv`` + BF16 rest, e.g.
-      an engine's); default: :func:`~fp8rl.reference.weight_sync.quantize_state_dict` of ``state_dict`` under
-      ``weight_policy``;
-    * ``act_policy``: ScalePolicy of the dynamic 1×128 activation quantization;
+    * ``synced``: for block FP8-linear recipes, the weight-sync output to run on (FP8 + ``*_scale_inv`` + BF16
+      rest, e.g. an engine's); default: :func:`~fp8rl.reference.weight_sync.quantize_state_dict` of
+      ``state_dict`` under ``weight_policy``. Per-channel recipes (PTPC) take no synced weights: the same weights
+      are quantized per output channel under ``weight_policy``;
+    * ``act_policy``: ScalePolicy of the dynamic activation quantization (1×128 groups, or per token for PTPC);
     * ``experts_implementation``: the transformers expert kernel for BF16 experts (``"eager"``: the reference loop);
     * ``memo``: share :meth:`generate` results between policies with identical weights, numerics and KV scales
       (content-keyed, process-wide; generation is deterministic). The reference engine turns it on so that the
@@ -507,7 +529,15 @@ class RolloutPolicy:
         attn = _ATTN_NAME if r.fp8_kv else "sdpa"
         model = build_hf_model(self.config, attn_implementation=attn,
                                experts_implementation=self.experts_implementation)
-        if r.fp8_linear:
+        if r.fp8_linear and not r.synced_weights:
+            if synced is not None:
+                raise ValueError(f"synced: recipe {r.name!r} quantizes the BF16 weights per channel itself")
+            g = Granularity.channel()
+            names = set(ws.quantized_names(state_dict))
+            qts = {n: quantize(state_dict[n].detach().to("cpu", torch.bfloat16), g, self.weight_policy)
+                   for n in state_dict if n in names}
+            plain = {k: v for k, v in state_dict.items() if k not in names}
+        elif r.fp8_linear:
             if synced is None:
                 synced = ws.quantize_state_dict(state_dict, ws.WeightSyncRecipe(block=self.weight_block,
                                                                                 policy=self.weight_policy))
@@ -517,7 +547,8 @@ class RolloutPolicy:
         else:
             qts, plain = {}, dict(state_dict)
         self._fingerprint = (r, self.weight_block, self.act_policy, self.experts_implementation,
-                             _digest(synced if r.fp8_linear else state_dict), _digest(self.config))
+                             self.weight_policy, _digest(synced if r.synced_weights else state_dict),
+                             _digest(self.config))
         params = to_model_state_dict(plain)
         missing, unexpected = model.load_state_dict(params, strict=False)
         if unexpected:
@@ -534,7 +565,7 @@ class RolloutPolicy:
 
     def _install_fp8(self, model: nn.Module, qts: Mapping[str, Any]) -> set[str]:
         """Swap every module whose weight is FP8 in the synced dict; returns the model param names it covers."""
-        act = _ActQuant(self.act_policy, self.recipe.act_group)
+        act = _ActQuant(self.act_policy, self.recipe.act_granularity())
         covered: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for name, qt in qts.items():

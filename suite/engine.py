@@ -13,7 +13,8 @@ Capability keys (stable; later areas add theirs):
 ``gemm.block``            ``block_gemm(a, w, out_dtype)``: W8A8 GEMM of 1×G activations and B×B weights
 ``gemm.tensor``           ``block_gemm`` with per-tensor scaled operands
 ``gemm.row``              ``block_gemm`` with per-token activations and per-channel weights
-``kv.store`` …            added by the KV area (``kv.attention``, ``kv.calibrate``, ``kv.update_scales``)
+``kv.store`` …            added by the KV area (``kv.attention``, ``kv.calibrate``, ``kv.forward``,
+                          ``kv.update_scales``)
 ``rollout_correction``    added by the correction area
 ``weight_sync``/``rollout``  added by the weight-sync / e2e area
 ========================  ====================================================================================
@@ -111,7 +112,10 @@ class Engine:
     # -- area kv: KV-cache ops (BEGIN kv section; only the KV area edits between these markers) ----------------
     # Types live in fp8rl.reference.kv: KVPolicy, KVCache, KVScales, KVForward, MissingKVScales. Tensors are
     # "BTHD": K/V [..., T, H, D], Q [B, Tq, Hq, D]. Capabilities: kv.store, kv.attention, kv.calibrate,
-    # kv.update_scales (the last also gates kv_forward, the model-level path whose scales change per RL step).
+    # kv.forward (kv_forward: the engine runs a layer's Q/K/V through its FP8 KV path with whatever scales it would
+    # use by itself, e.g. vLLM's default 1.0 for a checkpoint without k/v scales) and kv.update_scales
+    # (kv_update_scales; an engine declaring it also declares kv.forward: the checks of scales that change per RL
+    # step call both).
     def kv_policy(self, fmt: str, layout: str) -> Any:
         """Declared numerics (a ``KVPolicy``) of the FP8 KV cache in element format ``fmt`` ("e4m3fn", "e5m2")
         with scale ``layout`` ("tensor", "head", "token_head"): quant op (x/s or x·fl32(1/s)), clamp, overflow,
@@ -159,8 +163,8 @@ class Engine:
                    kv_lengths: torch.Tensor | None = None, sm_scale: float | None = None) -> Any:
         """One layer's FP8 KV path with the layer's *current* scales (the RL rollout path): store K/V, run FP8
         attention (Q quantized when the policy says so) and return ``KVForward(out, k_cache, v_cache, scales)``
-        with the scales actually used. A layer with no scales ever set must not silently use 1.0: raise
-        ``MissingKVScales`` (or calibrate engine-side)."""
+        with the scales actually used (capability ``kv.forward``). A layer with no scales ever set must not
+        silently use 1.0: raise ``MissingKVScales`` (or calibrate engine-side)."""
         raise Unsupported(f"{self.name} has no kv_forward op")
 
     # -- END kv section -----------------------------------------------------------------------------------------

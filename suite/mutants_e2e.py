@@ -59,7 +59,7 @@ class StaleWeights(ReferenceEngine):
         "keeps the previous step's q/k/v scales", "e2e")
 class StaleKVScales(ReferenceEngine):
     def update_weights(self, handle, state_dict):
-        synced = self.weight_sync(state_dict) if handle.recipe.fp8_linear else None
+        synced = self.weight_sync(state_dict) if handle.recipe.synced_weights else None
         handle.update_weights(state_dict, synced=synced, recalibrate_kv=False)
         return handle
 

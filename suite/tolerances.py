@@ -519,7 +519,8 @@ KV_DRIFT_LOGPROB_VS_FRESH = _register(
 # ×2 on the excess (token_mult_prob_error − 1), ×1.5 for max |Δlogp| (one token's worst case; the MoE tails come
 # from routing flips, where a token changes experts and its log-prob moves by O(1)), and ×0.5 on the observed
 # *minimum* of the mean first divergence position of greedy decoding (a floor; 20 = no divergence in 20 tokens).
-# Measured (min, median, max) of the reference emulation, reference engine, torch 2.13 CPU, transformers 5.24:
+# Measured (min, median, max) of the reference emulation, reference engine, torch 2.13 CPU, transformers 5.24
+# (fp8-linear-ptpc measured the same way, ``calibrate(10, recipes=("fp8-linear-ptpc",))``, 20 runs per model):
 
 E2E_MARGINS: dict[str, float] = {"k3_kl": 2.0, "token_mult_prob_error": 2.0, "max_abs_dlogp": 1.5,
                                  "first_div_mean": 0.5}
@@ -527,10 +528,12 @@ E2E_MARGINS: dict[str, float] = {"k3_kl": 2.0, "token_mult_prob_error": 2.0, "ma
 E2E_MEASURED: dict[tuple[str, str], dict[str, tuple[float, float, float]]] = {
     ("tiny-qwen3", "bf16"): {"k3_kl": (0.0001464, 0.0002054, 0.0002801), "token_mult_prob_error": (1.01, 1.012, 1.016), "max_abs_dlogp": (0.05654, 0.07133, 0.09857), "first_div_mean": (16.88, 19.12, 20)},
     ("tiny-qwen3", "fp8-linear"): {"k3_kl": (0.01022, 0.01769, 0.03046), "token_mult_prob_error": (1.119, 1.161, 1.224), "max_abs_dlogp": (0.3776, 0.611, 0.7659), "first_div_mean": (4.125, 7.375, 12.12)},
+    ("tiny-qwen3", "fp8-linear-ptpc"): {"k3_kl": (0.01003, 0.02046, 0.02969), "token_mult_prob_error": (1.122, 1.174, 1.224), "max_abs_dlogp": (0.4376, 0.5621, 0.9724), "first_div_mean": (3.5, 7.625, 11)},
     ("tiny-qwen3", "fp8-kv"): {"k3_kl": (0.001318, 0.003881, 0.006459), "token_mult_prob_error": (1.04, 1.073, 1.097), "max_abs_dlogp": (0.16, 0.2804, 0.4009), "first_div_mean": (8.5, 13.25, 19.12)},
     ("tiny-qwen3", "fp8-all"): {"k3_kl": (0.01105, 0.02279, 0.04108), "token_mult_prob_error": (1.132, 1.188, 1.273), "max_abs_dlogp": (0.4266, 0.6009, 1.304), "first_div_mean": (2.375, 7, 12.25)},
     ("tiny-qwen3-moe", "bf16"): {"k3_kl": (0.0001622, 0.0002642, 0.005156), "token_mult_prob_error": (1.011, 1.015, 1.038), "max_abs_dlogp": (0.05487, 0.08504, 1.588), "first_div_mean": (15.75, 19.12, 20)},
     ("tiny-qwen3-moe", "fp8-linear"): {"k3_kl": (0.01243, 0.02509, 0.0726), "token_mult_prob_error": (1.135, 1.2, 1.272), "max_abs_dlogp": (0.6114, 0.9784, 2.68), "first_div_mean": (3.125, 7.5, 13.62)},
+    ("tiny-qwen3-moe", "fp8-linear-ptpc"): {"k3_kl": (0.01362, 0.02311, 0.0924), "token_mult_prob_error": (1.138, 1.189, 1.272), "max_abs_dlogp": (0.5709, 0.7618, 2.695), "first_div_mean": (4.25, 7.625, 11.38)},
     ("tiny-qwen3-moe", "fp8-kv"): {"k3_kl": (0.003201, 0.00695, 0.03178), "token_mult_prob_error": (1.062, 1.087, 1.112), "max_abs_dlogp": (0.2455, 0.5449, 2.034), "first_div_mean": (8, 12, 14.88)},
     ("tiny-qwen3-moe", "fp8-all"): {"k3_kl": (0.01999, 0.02737, 0.03631), "token_mult_prob_error": (1.169, 1.199, 1.251), "max_abs_dlogp": (0.6736, 1.106, 1.579), "first_div_mean": (1.5, 5.875, 9.875)},
 }
@@ -542,8 +545,8 @@ E2E_MISMATCH = _register(
     "the entry 'e2e.<metric>.<model>.<recipe>': max × 2 (k3_kl), 1 + 2·(max − 1) (token_mult_prob_error), "
     "max × 1.5 (max_abs_dlogp), and the floor min × 0.5 (first_div_mean), over the measured distribution of the "
     "reference FP8 emulation described above (E2E_MEASURED). Recipes: bf16 (incremental BF16 decoding vs the "
-    "teacher-forced trainer), fp8-linear (W8A8 128x128/1x128), fp8-kv (FP8 KV storage), fp8-all (both + FP8 "
-    "query). The update check uses the same budgets (the distribution includes the updated weights).",
+    "teacher-forced trainer), fp8-linear (W8A8 128x128/1x128), fp8-linear-ptpc (W8A8 per-channel weights / "
+    "per-token activations, vLLM fp8_per_channel), fp8-kv (FP8 KV storage), fp8-all (both + FP8 query). The update check uses the same budgets (the distribution includes the updated weights).",
 )
 
 

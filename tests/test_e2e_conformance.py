@@ -10,6 +10,7 @@ import sys
 import pytest
 from fp8rl.mutants import MUTANTS
 
+RECIPES = ("bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all")
 E2E_MUTANTS = {  # mutant → the checks that must kill it
     "wsync-router-quantized": {"WSYNC-EXCL-001", "WSYNC-NAMES-001"},
     "wsync-lm-head-quantized": {"WSYNC-EXCL-001", "WSYNC-NAMES-001"},
@@ -42,17 +43,17 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(tmp_path):
                         "--area", "e2e", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = _report(tmp_path / "report.json")
-    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 32
+    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 38
     assert {c["area"] for c in rep["checks"]} == {"weight_sync", "e2e"}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]
     assert [(row[0], row[1]) for row in rows] == [(m, r) for m in ("tiny-qwen3", "tiny-qwen3-moe")
-                                                 for r in ("bf16", "fp8-linear", "fp8-kv", "fp8-all")]
+                                                 for r in RECIPES]
     k3 = {(row[0], row[1]): row[2] for row in rows}
     for m in ("tiny-qwen3", "tiny-qwen3-moe"):  # FP8 linear layers move the policy far more than BF16 decoding
-        assert k3[(m, "fp8-linear")] > 10 * k3[(m, "bf16")]
+        assert k3[(m, "fp8-linear")] > 10 * k3[(m, "bf16")] and k3[(m, "fp8-linear-ptpc")] > 10 * k3[(m, "bf16")]
     plots = sec["plot"]
-    assert len(plots) == 2 and all(set(p["series"]) == {"bf16", "fp8-linear", "fp8-kv", "fp8-all"} for p in plots)
+    assert len(plots) == 2 and all(set(p["series"]) == set(RECIPES) for p in plots)
     assert all(len(ys) == len(p["x"]) == 20 for p in plots for ys in p["series"].values())
     html = (tmp_path / "report.html").read_text()
     assert "FP8 rollout vs BF16 trainer" in html
@@ -67,8 +68,9 @@ def test_hf_engine_runs_bf16_and_declares_fp8_unavailable(tmp_path):
     for model in ("tiny-qwen3", "tiny-qwen3-moe"):
         assert by[("E2E-MISMATCH-001", f"{model}-bf16")]["outcome"] == "passed"
         assert by[("E2E-UPDATE-001", f"{model}-bf16")]["outcome"] == "passed"
-        c = by[("E2E-MISMATCH-001", f"{model}-fp8-linear")]
-        assert c["outcome"] == "skipped" and "BF16 only" in c["message"]
+        for recipe in ("fp8-linear", "fp8-linear-ptpc"):
+            c = by[("E2E-MISMATCH-001", f"{model}-{recipe}")]
+            assert c["outcome"] == "skipped" and "BF16 only" in c["message"]
         assert by[("WSYNC-NAMES-001", model)]["outcome"] == "skipped"
     assert [row[1] for row in rep["sections"]["mismatch"]["table"]["rows"]] == ["bf16", "bf16"]
 

@@ -230,7 +230,11 @@ def test_first_divergence():
 
 
 def test_recipes_and_errors(dense):
-    assert set(R.RECIPES) == {"bf16", "fp8-linear", "fp8-kv", "fp8-all"}
+    assert set(R.RECIPES) == {"bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all"}
+    with pytest.raises(ValueError, match="linear"):
+        R.RolloutRecipe("x", fp8_linear=True, linear="row")
+    with pytest.raises(ValueError, match="per channel"):
+        R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc", synced={})
     with pytest.raises(ValueError, match="recipe"):
         R.get_recipe("fp4")
     with pytest.raises(ValueError, match="fp8_q"):
@@ -249,3 +253,22 @@ def test_single_thread_restores_the_thread_count():
     with R.single_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == n
+
+
+def test_ptpc_recipe_quantizes_weights_per_channel_and_activations_per_token(dense):
+    pol = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc")
+    names = [n for n in dense.state_dict if n.endswith(("q_proj.weight", "down_proj.weight"))]
+    assert names
+    for name in names:
+        mod = R._get_module(pol.model, name[: -len(".weight")])
+        assert isinstance(mod, R.FP8Linear) and mod.act.g == Granularity.token()
+        wq = quantize(dense.state_dict[name].to(torch.bfloat16), Granularity.channel(), "reference")
+        assert torch.equal(mod.w64, wq.dequantize(torch.float64))
+    assert not isinstance(pol.model.lm_head, R.FP8Linear)  # lm_head and embeddings stay BF16
+    torch.manual_seed(3)
+    w = (torch.randn(96, 160) * 0.05).to(torch.bfloat16)
+    x = torch.randn(7, 160).to(torch.bfloat16)
+    wq = quantize(w, Granularity.channel(), "reference")
+    lin = R.FP8Linear(wq.dequantize(torch.float64), R._ActQuant(get_policy("reference"), Granularity.token()))
+    exact = block_gemm_exact(quantize(x, Granularity.token(), "reference"), wq).to(torch.bfloat16)
+    assert (lin(x).float() - exact.float()).abs().max() <= exact.float().abs().max() * 2**-8

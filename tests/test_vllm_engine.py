@@ -35,7 +35,8 @@ def test_without_vllm_every_capability_has_a_reason(no_vllm):
     assert eng.name == "vllm" and eng.version() == "vllm not installed"
     caps = eng.capabilities()
     assert caps and all(v is not True for v in caps.values())
-    for key in ("quantize.group", "kv.store", "rollout.bf16", "update_weights"):
+    for key in ("quantize.group", "kv.store", "kv.attention", "kv.forward", "rollout.bf16", "rollout.fp8-linear-ptpc",
+                "update_weights"):
         reason = capability_reason(eng, key)
         assert reason is not None and "vllm is not importable" in reason, reason
     with pytest.raises(Unsupported, match="not importable"):
@@ -142,3 +143,145 @@ def test_finding_cpu_kv_write_nan_and_negative_zero(eng, fmt, max_code):
 def test_kv_layouts_other_than_tensor_are_unsupported(eng):
     with pytest.raises(Unsupported, match="per tensor only"):
         eng.kv_policy("e4m3fn", "head")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 attention (cpu_attention_with_kv_cache), the default-scale finding, the PTPC rollout
+
+
+def _attn_case(fmt, case="varlen-causal", seed=1):
+    from fp8rl.conformance.test_kv import attention_case
+
+    return attention_case(np.random.default_rng(seed), case, fmt, "tensor")
+
+
+def _oracle_bound(q, kc, vc, kw):
+    from fp8rl import tolerances
+    from fp8rl.reference import kv as kvref
+
+    k_hat, v_hat = kvref.dequantize_kv(kc), kvref.dequantize_kv(vc)
+    expected = kvref.attention(q.double(), k_hat, v_hat, **kw)
+    t = kvref.attention_bound_terms(q.double(), k_hat, v_hat, **kw)
+    return expected, tolerances.kv_attention_arith_bound(t.score_abs_max, t.score_span, t.weighted_abs_v,
+                                                         t.head_dim, t.n_keys)
+
+
+@needs_vllm
+def test_attention_policy_has_no_fp8_query(eng):
+    pol = eng.kv_policy("e4m3fn", "tensor")
+    assert pol.quantize_q is False
+    q, kc, vc, q_scale, kw = _attn_case("e4m3fn")
+    with pytest.raises(Unsupported, match="no FP8 query"):
+        eng.kv_attention(q, kc, vc, q_scale=q_scale, **kw)
+
+
+@needs_vllm
+def test_paged_write_is_the_inverse_of_the_cache_read(eng):
+    """The adapter's code → CPU_ATTN layout writer puts every byte where vLLM's own cache write puts it."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    n, h, d = 70, 3, 64
+    x = torch.randn(n, h, d) * 3
+    nb = 3
+    kv = torch.zeros(nb, h, 2 * V._KV_BLOCK, d, dtype=torch.uint8)
+    kc, vc = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(x, x.clone(), kc, vc, torch.arange(n), "vec", k_scale=0.05, v_scale=0.05,
+                                   kv_cache_dtype="fp8_e4m3")
+    codes = eng.kv_store(x, torch.tensor(0.05), fmt="e4m3fn", layout="tensor").codes
+    kv2 = torch.zeros_like(kv)
+    kc2, vc2 = kv2.chunk(2, dim=2)
+    V.VllmEngine._write_paged(codes, kc2, 0, nb, d, keys=True)
+    V.VllmEngine._write_paged(codes, vc2, 0, nb, d, keys=False)
+    assert torch.equal(kv, kv2)
+
+
+@needs_vllm
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("case", ["prefill-gqa", "varlen-causal", "decode-mqa", "noncausal-mha"])
+def test_cpu_attention_within_the_fp32_bound(eng, fmt, case):
+    """KV-ATTN-001 on vLLM: fp32 query, FP8 cache, k_scale folded into the softmax scale: within the derived
+    fp32-arithmetic bound (measured error/bound ≈ 0.01) once the slots past kv_len hold no e5m2 NaN/inf bytes."""
+    q, kc, vc, _, kw = _attn_case(fmt, case)
+    if kw["kv_lengths"] is not None:
+        for c in (kc, vc):
+            for b, n in enumerate(kw["kv_lengths"].tolist()):
+                c.codes[b, n:] = 0
+    got = eng.kv_attention(q, kc, vc, **kw).double()
+    expected, bound = _oracle_bound(q, kc, vc, kw)
+    assert bool(((got - expected).abs() <= bound).all())
+    assert float(((got - expected).abs() / bound).max()) < 0.2
+
+
+@needs_vllm
+def test_finding_e5m2_value_bytes_past_seq_len_poison_the_output(eng):
+    """KV-ATTN-001[*-e5m2] / KV-ATTN-002[e5m2]: an e5m2 inf/NaN V byte in a slot past seq_len (same block) makes
+    the output NaN; the same byte in K is masked; e4m3fn decodes its NaN code 0x7f as 480 (finite)."""
+    from fp8rl.reference import kv as kvref
+
+    q = torch.ones(1, 1, 1, 32)
+    lens = {"q_lengths": torch.tensor([1]), "kv_lengths": torch.tensor([2])}
+
+    def run(fmt, one, k_byte=None, v_byte=None, slot=3, **kw):
+        k = torch.full((1, 4, 1, 32), one, dtype=torch.uint8)
+        v = k.clone()
+        if k_byte is not None:
+            k[0, slot, 0, 0] = k_byte
+        if v_byte is not None:
+            v[0, slot, 0, 0] = v_byte
+        s = torch.tensor(1.0)
+        return eng.kv_attention(q, kvref.KVCache(k, s, fmt, "tensor"), kvref.KVCache(v, s, fmt, "tensor"), **kw)
+
+    for byte in (0x7C, 0x7F):  # e5m2 +inf, NaN
+        assert torch.isnan(run("e5m2", 0x3C, v_byte=byte, **lens)[0, 0, 0, 0])
+        assert run("e5m2", 0x3C, k_byte=byte, **lens)[0, 0, 0, 0] == 1.0
+    assert torch.equal(run("e4m3fn", 0x38, v_byte=0x7F, **lens), torch.ones(1, 1, 1, 32))
+    # a valid e4m3fn slot holding 0x7f: mean of (480, 1, 1, 1) over the 4 keys
+    assert run("e4m3fn", 0x38, v_byte=0x7F, slot=1)[0, 0, 0, 0] == pytest.approx(120.75)
+
+
+@needs_vllm
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_finding_default_kv_scale_one(eng, fmt):
+    """KV-DEFAULT-001: a BF16 checkpoint's attention layers keep vLLM's default scales (1.0) and the FP8 cache
+    write clips every K/V beyond ±max without a warning beyond an INFO log line."""
+    from fp8rl.reference.formats import get_format
+
+    assert V.default_kv_scales() == (1.0, 1.0, 1.0)
+    assert capability_reason(eng, "kv.forward") is None and capability_reason(eng, "kv.update_scales")
+    fmax = get_format(fmt).max_finite
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 4, 32), torch.randn(1, 8, 2, 32) * fmax, torch.randn(1, 8, 2, 32)
+    res = eng.kv_forward("any-layer", q, k, v, fmt=fmt)
+    assert res.scales.as_dict() == {"q": 1.0, "k": 1.0, "v": 1.0}
+    vals = torch.from_numpy(decode_codes(res.k_cache.codes, fmt))
+    clipped = k.abs() > fmax
+    assert clipped.float().mean() > 0.2 and bool((vals[clipped].abs() == fmax).all())
+
+
+@needs_vllm
+def test_ptpc_rollout_within_budget_and_weights_bit_exact(eng, monkeypatch):
+    """Recipe fp8-linear-ptpc = quantization='fp8_per_channel': the loaded FP8 weights and per-channel scales equal
+    the declared preset's (vllm_per_token) bit for bit, and the rollout mismatch is within the recipe's budget; a
+    MoE model is Unsupported with the measured reason."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
+    from fp8rl import fixtures
+    from fp8rl.conformance import _e2e as E
+
+    m = fixtures.tiny_model("tiny-qwen3")
+    res = E.measure(eng, "tiny-qwen3", "fp8-linear-ptpc")
+    assert not E.within_budget(res), E.fmt_case(res)
+    h = eng.rollout_init(m.config, m.state_dict, "fp8-linear-ptpc")
+
+    def _qkv(worker):
+        mod = worker.model_runner.get_model().model.layers[0].self_attn.qkv_proj
+        return mod.weight.t().contiguous().view(torch.uint8).tolist(), mod.weight_scale.float().tolist()
+
+    codes, scale = (torch.tensor(x) for x in h["entry"][0].collective_rpc(_qkv)[0])
+    codes, scale = codes.to(torch.uint8), scale.to(torch.float32)
+    w = torch.cat([m.state_dict[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16)
+    ref = quantize(w.float(), Granularity.channel(), V.POLICIES["channel"])
+    assert torch.equal(scale.reshape(-1), ref.scale.reshape(-1)) and torch.equal(codes, ref.codes)
+    moe = fixtures.tiny_model("tiny-qwen3-moe")
+    with pytest.raises(Unsupported, match="dynamic_per_token_scaled_fp8_quant"):
+        eng.rollout_init(moe.config, moe.state_dict, "fp8-linear-ptpc")

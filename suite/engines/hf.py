@@ -50,6 +50,7 @@ class HFEngine(Engine):
             "update_weights": rollout,
             "rollout.bf16": rollout,
             "rollout.fp8-linear": _FP8_REASON.format(what="W8A8 linear"),
+            "rollout.fp8-linear-ptpc": _FP8_REASON.format(what="W8A8 per-channel/per-token linear"),
             "rollout.fp8-kv": _FP8_REASON.format(what="KV-cache"),
             "rollout.fp8-all": _FP8_REASON.format(what="linear/KV-cache/attention"),
         }

@@ -83,7 +83,8 @@ class ReferenceEngine(Engine):
     # Model-level state: per layer, the pushed KVScales, or None = "recalibrate engine-side (strategy A) on the
     # next kv_forward"; a layer never given scales raises MissingKVScales instead of using 1.0.
     def _caps_kv(self) -> CapabilityMap:
-        return {"kv.store": True, "kv.attention": True, "kv.calibrate": True, "kv.update_scales": True}
+        return {"kv.store": True, "kv.attention": True, "kv.calibrate": True, "kv.forward": True,
+                "kv.update_scales": True}
 
     def kv_policy(self, fmt: str, layout: str):
         from fp8rl.reference import kv as kvref
@@ -175,7 +176,8 @@ class ReferenceEngine(Engine):
     # scale_policy("block"); an engine with its own weight-sync kernel overrides weight_sync (or
     # _weight_sync_recipe for other filters/block sizes). Rollouts: fp8rl.reference.rollout.RolloutPolicy
     # (transformers model classes, emulated FP8 numerics) running on this engine's weight_sync output, with
-    # activations quantized under scale_policy("group").
+    # activations quantized under scale_policy("group"); the PTPC recipe (fp8-linear-ptpc) quantizes the BF16 weights
+    # per channel under scale_policy("channel") and activations per token under scale_policy("token").
 
     #: weight-sync results of the oracle quantizer, shared by every instance: (weights digest, recipe) → tensors
     _E2E_SYNC_MEMO: dict = {}
@@ -216,14 +218,17 @@ class ReferenceEngine(Engine):
         from fp8rl.reference.rollout import RolloutPolicy, get_recipe
 
         r = get_recipe(recipe)
-        synced = self.weight_sync(state_dict) if r.fp8_linear else None
+        synced = self.weight_sync(state_dict) if r.synced_weights else None
+        if r.fp8_linear and not r.synced_weights:  # PTPC: per-channel weights, per-token activations
+            return RolloutPolicy(config, state_dict, r, weight_policy=self.scale_policy("channel"),
+                                 act_policy=self.scale_policy("token"), memo=True)
         return RolloutPolicy(config, state_dict, r, synced=synced, act_policy=self.scale_policy("group"), memo=True)
 
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
         return handle.generate(prompts, max_new_tokens, greedy=greedy, seed=seed)
 
     def update_weights(self, handle, state_dict):
-        synced = self.weight_sync(state_dict) if handle.recipe.fp8_linear else None
+        synced = self.weight_sync(state_dict) if handle.recipe.synced_weights else None
         handle.update_weights(state_dict, synced=synced)
         return handle
 

@@ -73,7 +73,7 @@ class TorchEngine(Engine):
         return caps
 
     def _caps_kv(self) -> CapabilityMap:
-        keys = ("kv.store", "kv.attention", "kv.calibrate", "kv.update_scales")
+        keys = ("kv.store", "kv.attention", "kv.calibrate", "kv.forward", "kv.update_scales")
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             return dict.fromkeys(keys, f"torch {torch.__version__} has no scaled_dot_product_attention")
         return dict.fromkeys(keys, True)
