@@ -205,13 +205,19 @@ PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
        "1e-10))) via exp2f/ceilf/log2f, q = clamp(x/s) (engines.md §2.2, §7). The Triton fallback applies no "
        "1e-10 scale floor (s ≥ 2^-42 instead of 2^-33 for all-zero groups)",
        floor="scale", eps=1e-10, pow2="ceil_log2"),
+    _p("vllm_triton_ue8m0_group", "vLLM per_token_group_quant_fp8 Triton fallback with use_ue8m0=True (model_executor/"
+       "layers/quantization/utils/fp8_utils.py): s = exp2(ceil(log2(max(amax,1e-10)·fl(1/448)))), q = clamp(x/s); "
+       "unlike the CUDA kernel (vllm_ue8m0_group) no 1e-10 scale floor: an all-zero group gets 2^-42, not 2^-33 "
+       "(engines.md §2.2, §7)",
+       floor="amax", eps=1e-10, scale_op="mul_recip_max", pow2="ceil_log2"),
     _p("deepgemm_block", "DeepGEMM/vLLM per_block_cast_to_fp8 (vllm/utils/deep_gemm.py, third_party/deep_gemm/"
        "utils/math.py): s = max(amax,1e-4)/448, q = (x·(1/s)).to(fp8) with no clamp (saturating torch cast) "
        "(engines.md §2.3)",
        floor="amax", eps=1e-4, quant_op="mul_recip", clamp=False),
     _p("deepgemm_ue8m0", "DeepGEMM per_block/per_token_cast_to_fp8 with use_ue8m0: s = ceil_to_ue8m0(max(amax,1e-4)"
        "/448) on the fp32 bits (exponent + (mantissa≠0), clamped to [1,254]), q = (x·(1/s)).to(fp8), no clamp "
-       "(engines.md §2.3, §7)",
+       "(engines.md §2.3, §7). SGLang's copy (srt/layers/quantization/fp8_utils.py per_block_cast_to_fp8, "
+       "always UE8M0, used by quant_weight_ue8m0) has the same numerics",
        floor="amax", eps=1e-4, pow2="ceil_bits", quant_op="mul_recip", clamp=False),
     _p("verl_triton", "verl _blockwise_cast_to_fp8_kernel (verl/utils/kernel/fp8_kernel.py, default path): "
        "s = max(amax,1e-10)/448, q = clamp(x·(1/s)) (paper.md §1.2)",
@@ -225,9 +231,42 @@ PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
        floor="amax", eps=0.0, zero_amax="one", pow2="floor_multiplier", scale_op="recip_multiplier",
        quant_op="mul_max_over_amax"),
     _p("sglang_group", "SGLang sglang_per_token_group_quant_fp8 JIT kernel (kernels/jit/csrc/gemm/"
-       "per_token_group_quant.cuh): amax' = max(amax,1e-10), stored s = amax'·(1/448), q = x·(448/amax') "
-       "(engines.md §3.1)",
+       "per_token_group_quant.cuh, CUDA only; source re-read for 0.5.23: amax = max(amax, 1e-10f), raw_scale = "
+       "amax * kMaxValueInv, quant_scale = kMaxValue / amax): amax' = max(amax,1e-10), stored s = amax'·(1/448), "
+       "q = x·(448/amax') (engines.md §3.1)",
        floor="amax", eps=1e-10, scale_op="mul_recip_max", quant_op="mul_max_over_amax"),
+    _p("sglang_triton_group", "SGLang Triton 1x128 group quant with row-major scales, the per_token_group_quant_fp8 "
+       "of every non-CUDA platform (sglang/kernels/ops/quantization/fp8_kernel.py _per_token_group_quant_8bit, "
+       "0.5.23; also SGLang's per-token activation and per-channel weight quant there, group = K): amax' = "
+       "max(amax,1e-10), s = amax'/448, q = clamp(x·(1/s)) (measured under TRITON_INTERPRET=1 with the "
+       "faithful-downcast workaround; engines.md §3.1, shared/notes/triton-cpu.md)",
+       floor="amax", eps=1e-10, quant_op="mul_recip"),
+    _p("sglang_triton_group_colmajor", "SGLang Triton 1x128 group quant with column-major scales "
+       "(fp8_kernel.py _per_token_group_quant_8bit_colmajor, column_major_scales=True): amax' = max(amax,1e-10), "
+       "s = amax'/448, q = clamp(x/s) — true division, unlike the row-major kernel (engines.md §3.1)",
+       floor="amax", eps=1e-10),
+    _p("sglang_triton_group_ue8m0", "SGLang Triton column-major group quant with SCALE_UE8M0 "
+       "(_per_token_group_quant_8bit_colmajor): s = exp2(ceil(log2(max(amax,1e-10)/448))), q = clamp(x/s). The "
+       "interpreter's log2 is numpy's fp32 log2 (as torch's here); a GPU's approximate lg2 may round differently "
+       "a few ulps above a power of two (engines.md §3.1, §7)",
+       floor="amax", eps=1e-10, pow2="ceil_log2"),
+    _p("sglang_static", "SGLang static_quant_fp8 Triton kernel (fp8_kernel.py _static_quant_fp8) and the static "
+       "per-tensor MLA stage 2: the scale is given (static); q = clamp(x·(1/s)). Only quant_op/clamp apply (use "
+       "with quantize_with_scale); the amax fields repeat the group defaults (engines.md §3.1)",
+       floor="amax", eps=1e-10, quant_op="mul_recip"),
+    _p("sglang_mla_tensor", "SGLang per_tensor_quant_mla_fp8 (fp8_kernel.py _per_tensor_quant_mla_fp8_stage1/2): "
+       "per-row amax' = max(amax,1e-12), s = atomic max of amax'/448 (= max(amax,1e-12)/448), "
+       "q = clamp(x·(1/s)) (engines.md §3.1)",
+       floor="amax", eps=1e-12, quant_op="mul_recip"),
+    _p("sglang_native", "SGLang ROCm torch fallbacks _native_dynamic_per_token_quant_fp8 / "
+       "_native_dynamic_per_tensor_quant_fp8 (fp8_kernel.py, defined only under `if _is_hip:`): amax' = "
+       "max(amax,1e-12), s = amax'/fp8_max, q = clamp(x/s), in the *input* dtype (bf16 in → bf16 arithmetic; this "
+       "preset is the fp32-input case). fp8_max is 224 with e4m3fnuz on gfx94x, 448 with e4m3fn elsewhere (engines.md §3.1)",
+       floor="amax", eps=1e-12),
+    _p("sglang_fp8_quantize", "SGLang fp8_quantize Triton kernel (kernels/ops/quantization/fp8_quantize.py): "
+       "q = (fl32(x)·scale_inv).to(fp8) with the caller's scale_inv = 1/s, no clamp: the conversion saturates "
+       "(Triton's satfinite fp32→fp8 on NVIDIA); bf16/fp16 input only (engines.md §3.1)",
+       floor="amax", eps=1e-10, quant_op="mul_recip", clamp=False),
     _p("torchao", "torchao blockwise training quant (torchao/prototype/blockwise_fp8_training/kernels.py): "
        "m = fl32(448/max(amax,1e-12)) (fp64 then fp32, identical to fp32 division), q = clamp(x·m), s = 1/m "
        "(engines.md §5)",
@@ -449,7 +488,9 @@ def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     bm, bn = g.size
     nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
     a = _pad_to(a, (nm * bm, nn * bn))
-    return a.reshape(nm, bm, nn, bn).amax(dim=(1, 3))
+    # inner (contiguous) dim first, then the rows: the same maxima (max is exact and NaN-propagating either way),
+    # ~1.5x faster than one reduction over the strided dims (1, 3)
+    return a.reshape(nm, bm, nn, bn).amax(dim=3).amax(dim=1)
 
 
 def _f32(v: float) -> torch.Tensor:

@@ -23,6 +23,11 @@ BUILTINS: dict[str, str] = {
     "verl": "fp8rl.engines.verl:VerlEngine",
     "hf": "fp8rl.engines.hf:HFEngine",
     "vllm": "fp8rl.engines.vllm:VllmEngine",
+    "vllm-triton": "fp8rl.engines.vllm_triton:VllmTritonEngine",
+    "vllm-triton-colmajor": "fp8rl.engines.vllm_triton:VllmTritonColMajorEngine",
+    "vllm-triton-ue8m0": "fp8rl.engines.vllm_triton:VllmTritonUe8m0Engine",
+    "verl-triton": "fp8rl.engines.verl:VerlTritonEngine",
+    "sglang": "fp8rl.engines.sglang:SglangEngine",
     "triton-interpret": "fp8rl.engines.triton_interpret:TritonInterpretEngine",
     "triton-interpret-faithful": "fp8rl.engines.triton_interpret:TritonInterpretFaithfulEngine",
 }

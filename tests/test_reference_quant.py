@@ -590,7 +590,9 @@ def test_dtypes_upcast_exact():
 def test_presets_have_descriptions_and_valid_policies_exact():
     required = {"reference", "vllm_cuda_group", "vllm_triton_group", "vllm_native", "vllm_per_token",
                 "vllm_per_tensor_cuda", "vllm_ue8m0_group", "deepgemm_block", "deepgemm_ue8m0", "verl_triton",
-                "verl_torch", "te_blockwise_pow2", "sglang_group", "torchao", "deepseek_ref", "rocm_fnuz"}
+                "verl_torch", "te_blockwise_pow2", "sglang_group", "torchao", "deepseek_ref", "rocm_fnuz",
+                "sglang_triton_group", "sglang_triton_group_colmajor", "sglang_triton_group_ue8m0", "sglang_static",
+                "sglang_mla_tensor", "sglang_native", "sglang_fp8_quantize", "vllm_triton_ue8m0_group"}
     assert required <= set(PRESETS)
     for name, p in PRESETS.items():
         assert p.name == name and ("engines.md" in p.description or "paper.md" in p.description)
@@ -642,3 +644,12 @@ BAD = [
 def test_bad_input_raises_exact(fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_vllm_triton_ue8m0_zero_group_scale_exact():
+    """Hand-worked: amax 0 → max(0, 1e-10)·fl(1/448) ≈ 2.23e-13 → 2^ceil(log2) = 2^-42 on the Triton fallback; the
+    CUDA kernel floors the *scale* at 1e-10 first → 2^ceil(log2 1e-10) = 2^-33."""
+    x = torch.zeros(2, 128)
+    g = Granularity.group(128)
+    assert quantize(x, g, "vllm_triton_ue8m0_group").scale.flatten().tolist() == [2.0 ** -42] * 2
+    assert quantize(x, g, "vllm_ue8m0_group").scale.flatten().tolist() == [2.0 ** -33] * 2

@@ -21,7 +21,19 @@ quantizer ``verl.utils.kernel.fp8_kernel.scaled_fp8_blockwise`` and its ``name +
 ``*_weight_scale_inv`` convention as the oracle: no renaming by the adapter). The quantizer must take its PyTorch
 path (``_scaled_fp8_blockwise_pytorch``: triton absent, or ``VERL_DISABLE_TRITON_FP8=1`` before veRL is
 imported); the declared ``scale_policy("block")`` is then the ``verl_torch`` preset. With the Triton path active the
-capability says so (the Triton kernel needs a GPU and is the ``verl_triton`` preset; not driven here).
+capability says so; the Triton path is engine ``verl-triton`` (below).
+
+Engine ``verl-triton`` (:class:`VerlTritonEngine`): veRL's *default* quantizer path, the Triton kernel
+``_blockwise_cast_to_fp8_kernel`` behind ``verl.utils.kernel.fp8_kernel.scaled_fp8_blockwise_triton`` (what
+``scaled_fp8_blockwise`` dispatches to when triton imports and ``VERL_DISABLE_TRITON_FP8`` is unset), run unchanged by
+Triton's CPU interpreter: ``quantize`` block (veRL's own zero padding to whole blocks and crop) → preset
+``verl_triton`` (s = max(amax, 1e-10)/448, q = clamp(x·(1/s))), and ``weight_sync`` as above with the dispatcher on
+its Triton path (the module's ``_DISABLE_TRITON_FP8`` switch, read per call, is held False for the call — what an
+unset ``VERL_DISABLE_TRITON_FP8`` gives at import). The interpreter is requested before veRL imports triton; every
+launch runs inside ``conversions("faithful")`` (the ``faithful-downcast`` workaround of
+:mod:`fp8rl.engines._triton_interp`, named in ``instrument_notes()``). A process in which veRL's fp8_kernel was
+imported with triton but without the interpreter (e.g. engine ``verl`` first) gets a capability reason instead. The
+two paths differ for an all-zero block: Triton s = 1e-10/448 ≈ 2.2e-13, PyTorch s = 1.
 Two environment notes, both honest about what runs:
 
 * ``verl.utils.fp8_utils`` imports ``verl.workers.rollout.utils``, which imports ``uvicorn`` and ``fastapi`` (HTTP
@@ -38,10 +50,12 @@ Two environment notes, both honest about what runs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +64,10 @@ from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
                 f"tensordict, omegaconf, transformers, codetiming, orjson, packaging), or run `nox -s conformance_verl`")
+
+TRITON_ARITH_NOTE = (
+    "veRL's Triton kernel runs in Triton's interpreter, whose fp32 division (amax/448, 1/s) is numpy's correctly "
+    "rounded division, not the compiled GPU code (div.full.f32): a GPU run may differ where they round differently")
 
 #: veRL metric (without the ``rollout_corr/`` prefix) → the suite's canonical name
 METRIC_MAP: dict[str, str] = {
@@ -98,8 +116,15 @@ async def _ensure_async_iterator(iterable):
 FP8_UTILS_IMPORT: dict[str, str] = {}
 
 
-def _import_verl_fp8() -> tuple[Any, str | None]:
-    """(namespace with veRL's weight-sync quantizer + SGLang parameter filter, or None; reason when unusable)."""
+def _import_verl_fp8(triton: bool = False) -> tuple[Any, str | None]:
+    """(namespace with veRL's weight-sync quantizer + SGLang parameter filter, or None; reason when unusable).
+
+    ``triton=False`` (engine ``verl``): ``scaled_fp8_blockwise`` must take its PyTorch path. ``triton=True`` (engine
+    ``verl-triton``): veRL's Triton kernel must be importable and interpreted (see :func:`_import_verl_triton`)."""
+    if triton:
+        fk, reason = _import_verl_triton()
+        if fk is None:
+            return None, reason
     try:
         import verl  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -109,7 +134,7 @@ def _import_verl_fp8() -> tuple[Any, str | None]:
     except Exception as exc:  # noqa: BLE001
         return None, f"verl is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
     stub_name = "verl.workers.rollout.utils"
-    if "verl.utils.kernel.fp8_kernel" not in sys.modules:
+    if not triton and "verl.utils.kernel.fp8_kernel" not in sys.modules:
         # fp8_kernel reads the switch once, at import: force the PyTorch path unless the user chose otherwise
         os.environ.setdefault("VERL_DISABLE_TRITON_FP8", "1")
     try:
@@ -134,10 +159,10 @@ def _import_verl_fp8() -> tuple[Any, str | None]:
     except Exception as exc:  # noqa: BLE001
         return None, (f"veRL's FP8 weight-sync modules do not import ({type(exc).__name__}: {exc}); "
                       "pip install uvicorn fastapi (verl.workers.rollout.utils needs them)")
-    if fp8_kernel.is_triton_available() and not fp8_kernel._DISABLE_TRITON_FP8:
+    if not triton and fp8_kernel.is_triton_available() and not fp8_kernel._DISABLE_TRITON_FP8:
         return None, ("veRL's scaled_fp8_blockwise would take its Triton path (triton imports and "
-                      "VERL_DISABLE_TRITON_FP8 was not 1 when veRL was imported): the suite drives the PyTorch "
-                      "path; set VERL_DISABLE_TRITON_FP8=1")
+                      "VERL_DISABLE_TRITON_FP8 was not 1 when veRL was imported): engine verl drives the PyTorch "
+                      "path (set VERL_DISABLE_TRITON_FP8=1); the Triton path is engine verl-triton")
     ns = types.SimpleNamespace(fp8_utils=fp8_utils, fp8_kernel=fp8_kernel, sglang=sglang_fp8_utils)
     return ns, None
 
@@ -161,6 +186,83 @@ def _import_verl() -> tuple[Any, str | None]:
     mods.verl, mods.helper, mods.core, mods.debug = verl, rollout_corr_helper, core_algos, debug_metrics
     mods.actor_config = FSDPActorConfig
     return mods, None
+
+
+def _import_verl_triton() -> tuple[Any, str | None]:
+    """(veRL's ``verl.utils.kernel.fp8_kernel`` with its Triton kernel decorated for Triton's interpreter, or None;
+    the reason when unusable). Requests the interpreter before veRL imports triton (``@triton.jit`` decides at
+    decoration time)."""
+    import importlib.util
+
+    from . import _triton_interp as TI
+
+    if importlib.util.find_spec("verl") is None:
+        return None, f"{INSTALL_HINT}; plus pip install triton==3.9.0 for the Triton path"
+    name = "verl.utils.kernel.fp8_kernel"
+    if name not in sys.modules:
+        reason = TI.enable_interpreter()
+        if reason:
+            return None, f"verl-triton needs Triton's interpreter: {reason}"
+    try:
+        from verl.utils.kernel import fp8_kernel
+    except Exception as exc:  # noqa: BLE001
+        return None, f"veRL's fp8_kernel does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    if not fp8_kernel.is_triton_available():
+        return None, ("triton did not import when veRL's fp8_kernel was imported, so veRL has no Triton path here; "
+                      "pip install triton==3.9.0 (fresh process)")
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception as exc:  # noqa: BLE001
+        return None, f"triton's interpreter is unavailable ({type(exc).__name__}: {exc})"
+    if not isinstance(fp8_kernel._blockwise_cast_to_fp8_kernel, InterpretedFunction):
+        return None, ("veRL's _blockwise_cast_to_fp8_kernel was decorated without Triton's interpreter (veRL's "
+                      "fp8_kernel, e.g. through engine verl, imported triton before TRITON_INTERPRET=1): on CPU it "
+                      "fails with '0 active drivers'; run engine verl-triton in its own process or with "
+                      "TRITON_INTERPRET=1")
+    return fp8_kernel, None
+
+
+@contextlib.contextmanager
+def _triton_dispatch(fp8_kernel: Any) -> Iterator[None]:
+    """Make veRL's dispatcher ``scaled_fp8_blockwise`` take its Triton path for the enclosed calls — what it does when
+    ``VERL_DISABLE_TRITON_FP8`` is unset at import (veRL's default); the switch is a module global read per call."""
+    old = fp8_kernel._DISABLE_TRITON_FP8
+    fp8_kernel._DISABLE_TRITON_FP8 = False
+    try:
+        yield
+    finally:
+        fp8_kernel._DISABLE_TRITON_FP8 = old
+
+
+def _weight_sync(ns: Any, state_dict: Any) -> dict[str, torch.Tensor]:
+    """``SGLangFP8QuantizerHelper(build_sglang_fp8_quant_config()).quant_weights_by_name(items, dtype=bf16)``,
+    drained, inside a 1-rank gloo group when none exists (see the module docstring); duplicate names are an error."""
+    import torch.distributed as dist
+
+    helper = ns.sglang.SGLangFP8QuantizerHelper(ns.sglang.build_sglang_fp8_quant_config())
+    items = list(dict(state_dict).items())
+
+    async def _drain():
+        return [kv async for kv in helper.quant_weights_by_name(items, dtype=torch.bfloat16)]
+
+    own_group = False
+    if not dist.is_initialized():
+        if not (dist.is_available() and dist.is_gloo_available()):
+            raise Unsupported("veRL's quant_weights_by_name needs torch.distributed (get_rank) and this torch "
+                              "has no gloo backend")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        own_group = True
+    try:
+        pairs = asyncio.run(_drain())
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in pairs:
+        if name in out:
+            raise EngineError(f"veRL weight sync yielded {name!r} twice")
+        out[name] = t
+    return out
 
 
 class VerlEngine(Engine):
@@ -210,32 +312,7 @@ class VerlEngine(Engine):
         """veRL's SGLang/TRT-LLM trainer-side weight sync, run for real (see the module docstring)."""
         if self._fp8 is None:
             raise Unsupported(self._fp8_reason or INSTALL_HINT)
-        import torch.distributed as dist
-
-        helper = self._fp8.sglang.SGLangFP8QuantizerHelper(self._fp8.sglang.build_sglang_fp8_quant_config())
-        items = list(dict(state_dict).items())
-
-        async def _drain():
-            return [kv async for kv in helper.quant_weights_by_name(items, dtype=torch.bfloat16)]
-
-        own_group = False
-        if not dist.is_initialized():
-            if not (dist.is_available() and dist.is_gloo_available()):
-                raise Unsupported("veRL's quant_weights_by_name needs torch.distributed (get_rank) and this torch "
-                                  "has no gloo backend")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            own_group = True
-        try:
-            pairs = asyncio.run(_drain())
-        finally:
-            if own_group:
-                dist.destroy_process_group()
-        out: dict[str, torch.Tensor] = {}
-        for name, t in pairs:
-            if name in out:
-                raise EngineError(f"veRL weight sync yielded {name!r} twice")
-            out[name] = t
-        return out
+        return _weight_sync(self._fp8, state_dict)
 
     def _require(self) -> Any:
         if self._mods is None:
@@ -318,4 +395,93 @@ class VerlEngine(Engine):
         return loss
 
 
-__all__ = ["DEBUG_METRIC_MAP", "FP8_UTILS_IMPORT", "INSTALL_HINT", "METRIC_MAP", "VerlEngine"]
+class VerlTritonEngine(Engine):
+    """veRL's Triton blockwise FP8 weight quantizer (its default path) run by Triton's CPU interpreter."""
+
+    name = "verl-triton"
+    description = ("veRL (verl==0.9.1) Triton blockwise FP8 weight quantizer (verl.utils.kernel.fp8_kernel."
+                   "scaled_fp8_blockwise_triton, veRL's default path) under Triton's CPU interpreter with the "
+                   "faithful-downcast workaround; the SGLang/TRT-LLM weight sync through it")
+
+    def __init__(self, mode: str = "faithful") -> None:
+        if mode not in ("raw", "faithful"):
+            raise ValueError(f"mode: expected 'raw' or 'faithful', got {mode!r}")
+        #: conversions mode of the interpreter (``"raw"`` only for evidence of what the workaround changes)
+        self.mode = mode
+        self._fk, self._reason = _import_verl_triton()
+        self._fp8: Any = None
+        self._fp8_reason: str | None = self._reason
+        if self._fk is not None:
+            self._fp8, self._fp8_reason = _import_verl_fp8(triton=True)
+
+    def version(self) -> str:
+        if self._fk is None:
+            return "verl-triton unavailable"
+        import verl
+
+        from . import _triton_interp as TI
+
+        conv = TI.WORKAROUND if self.mode == "faithful" else "the interpreter's own conversions"
+        return (f"verl {getattr(verl, '__version__', '?')} fp8_kernel Triton path under the triton "
+                f"{TI.triton_version()} interpreter (TRITON_INTERPRET=1, conversions: {conv})")
+
+    def instrument_notes(self) -> list[str]:
+        from . import _triton_interp as TI
+
+        first = TI.WORKAROUND_NOTE if self.mode == "faithful" else (
+            "Triton interpreter with its own conversions (no workaround): evidence runs only")
+        return [first, TRITON_ARITH_NOTE]
+
+    def capabilities(self) -> CapabilityMap:
+        keys = [f"quantize.{k}" for k in ("tensor", "token", "channel", "group", "block")] + ["weight_sync"]
+        corr = ["rollout_correction", "rollout_correction.geometric", "rollout_correction.veto",
+                "rollout_correction.loss"]
+        if self._fk is None:
+            return dict.fromkeys(keys + corr, self._reason or INSTALL_HINT)
+        caps: CapabilityMap = {f"quantize.{k}": f"veRL quantizes weights 128x128 blockwise only (no {k!r} quantizer)"
+                               for k in ("tensor", "token", "channel", "group")}
+        caps["quantize.block"] = True
+        caps["weight_sync"] = True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT)
+        caps.update(dict.fromkeys(corr, "veRL's rollout correction is pure PyTorch (no Triton): engine verl"))
+        return caps
+
+    def scale_policy(self, kind: str):
+        """veRL's Triton path is the ``verl_triton`` preset (s = max(amax, 1e-10)/448, q = clamp(x·(1/s)))."""
+        from fp8rl.reference.quant import get_policy
+
+        if kind != "block":
+            raise Unsupported(f"veRL quantizes weights 128x128 blockwise only (no {kind!r} quantizer)")
+        return get_policy("verl_triton")
+
+    def quantize(self, x, granularity):
+        """``scaled_fp8_blockwise_triton(x, [bm, bn])``: veRL's own zero padding to whole blocks, the kernel
+        ``_blockwise_cast_to_fp8_kernel``, the crop; returns the dequant scales as veRL ships them."""
+        from fp8rl.reference.quant import QuantizedTensor
+
+        from . import _triton_interp as TI
+
+        if granularity.kind != "block":
+            raise Unsupported(str(self.capabilities()[f"quantize.{granularity.kind}"]))
+        if self._fk is None:
+            raise Unsupported(self._reason or INSTALL_HINT)
+        if x.dim() != 2:
+            raise Unsupported(f"veRL's scaled_fp8_blockwise takes 2-D weights, got shape {tuple(x.shape)}")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            x = x.to(torch.float32)
+        with TI.conversions(self.mode):
+            q, s = self._fk.scaled_fp8_blockwise_triton(x.contiguous(), list(granularity.size))
+        return QuantizedTensor(q.view(torch.uint8).contiguous(), s.to(torch.float32).contiguous(), granularity,
+                               self.scale_policy("block"))
+
+    def weight_sync(self, state_dict):
+        """veRL's SGLang/TRT-LLM trainer-side weight sync (as engine ``verl``) with ``scaled_fp8_blockwise`` on its
+        Triton path, under the interpreter."""
+        from . import _triton_interp as TI
+
+        if self._fp8 is None:
+            raise Unsupported(self._fp8_reason or INSTALL_HINT)
+        with _triton_dispatch(self._fk), TI.conversions(self.mode):
+            return _weight_sync(self._fp8, state_dict)
+
+
+__all__ = ["DEBUG_METRIC_MAP", "FP8_UTILS_IMPORT", "INSTALL_HINT", "METRIC_MAP", "VerlEngine", "VerlTritonEngine"]
