@@ -98,8 +98,10 @@ def test_perf_run_with_fake_engine(tmp_path, ckpt, capsys):
     assert run("perf", "gate", str(out)) == 2
     assert run("perf", "gate", str(out), "--allow-unmatched", "--out", str(tmp_path / "g")) == 0
     assert (tmp_path / "g" / "gate.md").exists() and (tmp_path / "g" / "gate.json").exists()
-    # regression vs itself passes
-    assert run("perf", "gate", str(out), "--baseline", str(out), "--max-regression", "60%") == 0
+    # regression vs itself passes. The unpaired bootstrap CI of a ratio of 3 wall-clock samples vs themselves lies
+    # within [min/max, max/min] of the samples; on a loaded 2-core machine one fake run can take 3x another (a 60%
+    # floor failed once under load), so the floor is 95%: it fails only if runs differ 20-fold
+    assert run("perf", "gate", str(out), "--baseline", str(out), "--max-regression", "95%") == 0
 
 
 def test_perf_run_capability_missing_and_broken_workload(tmp_path, ckpt, capsys):
