@@ -258,6 +258,22 @@ class Engine:
         return {"name": self.name, "version": self.version(), "capabilities": self.capabilities()}
 
 
+def per_tensor_kv_input(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Validate a ``kv_store`` call with one per-tensor scale (what CPU cache writes take): returns
+    (x as fp32 [N, H, D], the scale as a 0-d fp32 tensor, x's original shape), or raises ValueError naming the
+    argument."""
+    if scale is None:
+        raise ValueError("scale: layout 'tensor' needs a scale")
+    s = torch.as_tensor(scale, dtype=torch.float32)
+    if s.numel() != 1:
+        raise ValueError(f"scale: expected a scalar for layout 'tensor', got shape {tuple(s.shape)}")
+    x32 = x.to(torch.float32)
+    if x32.dim() < 3:
+        raise ValueError(f"x: expected [..., T, H, D], got shape {tuple(x32.shape)}")
+    shape = tuple(x32.shape)
+    return x32.reshape(-1, shape[-2], shape[-1]), s.reshape(()), shape
+
+
 def capability_reason(engine: Engine, key: str) -> str | None:
     """None if ``key`` is available on ``engine``, else the reason it is not (unknown keys get a reason too)."""
     caps = engine.capabilities()

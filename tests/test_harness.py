@@ -259,3 +259,18 @@ def test_engine_given_twice_is_a_usage_error(tmp_path):
     assert r.returncode == 2
     assert "--engine: given more than once" in r.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_per_tensor_kv_input_names_the_bad_argument():
+    import torch
+    from fp8rl.engine import per_tensor_kv_input
+
+    x = torch.ones(2, 3, 4, 8)
+    flat, s, shape = per_tensor_kv_input(x, 0.5)
+    assert tuple(flat.shape) == (6, 4, 8) and s.dim() == 0 and float(s) == 0.5 and shape == (2, 3, 4, 8)
+    with pytest.raises(ValueError, match="scale: layout 'tensor' needs a scale"):
+        per_tensor_kv_input(x, None)
+    with pytest.raises(ValueError, match="scale: expected a scalar"):
+        per_tensor_kv_input(x, torch.ones(2))
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., T, H, D\]"):
+        per_tensor_kv_input(torch.ones(4, 8), 1.0)

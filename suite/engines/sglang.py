@@ -87,7 +87,7 @@ import types
 from typing import Any
 
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Engine, EngineError, Unsupported
+from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Engine, EngineError, Unsupported, per_tensor_kv_input
 from fp8rl.engines import _triton_interp
 from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
 
@@ -341,17 +341,9 @@ class SglangEngine(Engine):
 
         ns = _mods()
         self.kv_policy(fmt, layout)
-        if scale is None:
-            raise ValueError("scale: layout 'tensor' needs a scale")
-        s = torch.as_tensor(scale, dtype=torch.float32)
-        if s.numel() != 1:
-            raise ValueError(f"scale: expected a scalar for layout 'tensor', got shape {tuple(s.shape)}")
-        x32 = x.to(torch.float32)
-        if x32.dim() < 3:
-            raise ValueError(f"x: expected [..., T, H, D], got shape {tuple(x32.shape)}")
-        shape = tuple(x32.shape)
+        x3, s, shape = per_tensor_kv_input(x, scale)
         h, d = shape[-2], shape[-1]
-        flat = x32.reshape(-1, h, d).contiguous()
+        flat = x3.contiguous()
         n = flat.shape[0]
         method = ns.kv_method()
         bufs = method.create_buffers(n, h, d, 1, "cpu")

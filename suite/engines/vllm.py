@@ -56,7 +56,7 @@ import threading
 from typing import Any
 
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Engine, Unsupported
+from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Engine, Unsupported, per_tensor_kv_input
 from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
 
 #: granularity kind → the PRESETS entry vLLM's quantizer for that kind implements (verified bit-exact by the
@@ -325,17 +325,9 @@ class VllmEngine(Engine):
         from vllm import _custom_ops as ops
 
         self.kv_policy(fmt, layout)
-        if scale is None:
-            raise ValueError("scale: layout 'tensor' needs a scale")
-        s = torch.as_tensor(scale, dtype=torch.float32)
-        if s.numel() != 1:
-            raise ValueError(f"scale: expected a scalar for layout 'tensor', got shape {tuple(s.shape)}")
-        x32 = x.to(torch.float32)
-        if x32.dim() < 3:
-            raise ValueError(f"x: expected [..., T, H, D], got shape {tuple(x32.shape)}")
-        shape = tuple(x32.shape)
+        x3, s, shape = per_tensor_kv_input(x, scale)
         h, d = shape[-2], shape[-1]
-        flat = _pad_last(x32.reshape(-1, h, d), 32).contiguous()  # [N, H, Dp]
+        flat = _pad_last(x3, 32).contiguous()  # [N, H, Dp]
         n, dp = flat.shape[0], flat.shape[-1]
         nb = max(1, math.ceil(n / _KV_BLOCK))
         kv = torch.zeros(nb, h, 2 * _KV_BLOCK, dp, dtype=torch.uint8)
