@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -40,16 +41,17 @@ def cmd_engines(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     for row in rows:
-        table = Table(title=f"{row['name']}  ({row['version']})", title_justify="left", show_lines=False)
+        table = Table(title=escape(f"{row['name']}  ({row['version']})"), title_justify="left", show_lines=False)
         table.add_column("capability")
         table.add_column("status")
         if "error" in row:
-            table.add_row("load", f"[red]{row['error']}[/red]")
+            table.add_row("load", f"[red]{escape(str(row['error']))}[/red]")
         for key, status in sorted(row["capabilities"].items()):
-            table.add_row(key, "[green]available[/green]" if status is True else f"[yellow]no:[/yellow] {status}")
+            shown = "[green]available[/green]" if status is True else f"[yellow]no:[/yellow] {escape(str(status))}"
+            table.add_row(key, shown)
         console.print(table)
         if row["description"]:
-            console.print(f"  {row['description']}\n")
+            console.print(f"  {escape(row['description'])}\n")
     return EXIT_OK
 
 
@@ -194,7 +196,7 @@ def cmd_checks(args: argparse.Namespace) -> int:
     for col in ("id", "area", "bound", "spec"):
         table.add_column(col)
     for c in rows:
-        table.add_row(c.id, c.area, c.bound, c.title)
+        table.add_row(escape(c.id), c.area, c.bound, escape(c.title))
     _console().print(table)
     return EXIT_OK
 

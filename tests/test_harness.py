@@ -274,3 +274,10 @@ def test_per_tensor_kv_input_names_the_bad_argument():
         per_tensor_kv_input(x, torch.ones(2))
     with pytest.raises(ValueError, match=r"x: expected \[\.\.\., T, H, D\]"):
         per_tensor_kv_input(torch.ones(4, 8), 1.0)
+
+
+def test_engines_listing_keeps_square_brackets_in_reasons():
+    """Capability reasons are plain text: install hints like pip install '.[sglang]' must not be eaten as markup."""
+    r = fp8rl("engines", "support.bad_engines:BracketReason")
+    assert r.returncode == 0, r.stderr
+    assert "pip install '.[extra]'" in r.stdout and "[note]" in r.stdout

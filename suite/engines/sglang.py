@@ -93,7 +93,7 @@ from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (f"sglang not installed: pip install -c constraints.txt -e '.[sglang]' then pip install --no-deps "
-                f"sglang=={SGLANG_VERSION} (own venv; nox -s conformance_sglang)")
+                f"sglang=={SGLANG_VERSION} (own venv; nox -s conformance_triton)")
 
 #: granularity kind → the PRESETS entry SGLang's quantizer for that kind implements (see the module docstring)
 POLICIES: dict[str, str] = {

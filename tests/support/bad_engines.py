@@ -72,3 +72,11 @@ class Bf16WrongDtype(ReferenceEngine):
 
     def round_bf16(self, x):
         return x.to(torch.float16)
+
+
+class BracketReason(ReferenceEngine):
+    name = "bracket-reason"
+    description = "a description with [note] in brackets"
+
+    def capabilities(self):
+        return {"cast.e4m3fn": "needs pip install '.[extra]'"}
