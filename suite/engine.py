@@ -258,6 +258,23 @@ class Engine:
         return {"name": self.name, "version": self.version(), "capabilities": self.capabilities()}
 
 
+def import_failure(module: str, install_hint: str) -> str | None:
+    """Import ``module`` (an engine's own package); None if it imports, else why not: just ``install_hint`` when the
+    package itself is missing, the error plus the hint when it is installed but fails to import."""
+    import importlib
+
+    top = module.split(".")[0]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == top:
+            return install_hint
+        return f"{top} does not import ({exc}); {install_hint}"
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the engine unavailable
+        return f"{top} is installed but does not import ({type(exc).__name__}: {exc}); {install_hint}"
+    return None
+
+
 def per_tensor_kv_input(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """Validate a ``kv_store`` call with one per-tensor scale (what CPU cache writes take): returns
     (x as fp32 [N, H, D], the scale as a 0-d fp32 tensor, x's original shape), or raises ValueError naming the

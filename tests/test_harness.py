@@ -281,3 +281,12 @@ def test_engines_listing_keeps_square_brackets_in_reasons():
     r = fp8rl("engines", "support.bad_engines:BracketReason")
     assert r.returncode == 0, r.stderr
     assert "pip install '.[extra]'" in r.stdout and "[note]" in r.stdout
+
+
+def test_import_failure_reasons():
+    from fp8rl.engine import import_failure
+
+    assert import_failure("json", "hint") is None
+    assert import_failure("no_such_pkg_fp8rl", "pip install it") == "pip install it"
+    broken = import_failure("support.bad_engines_broken_import", "hint")
+    assert broken.startswith("support does not import (No module named 'no_such_dependency_fp8rl')")

@@ -87,7 +87,15 @@ import types
 from typing import Any
 
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Engine, EngineError, Unsupported, per_tensor_kv_input
+from fp8rl.engine import (
+    ELEMENT_FORMATS,
+    CapabilityMap,
+    Engine,
+    EngineError,
+    Unsupported,
+    import_failure,
+    per_tensor_kv_input,
+)
 from fp8rl.engines import _triton_interp
 from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
 
@@ -137,14 +145,10 @@ def _load() -> tuple[Any, str | None]:
     reason = _triton_interp.enable_interpreter()
     if reason:
         return None, f"Triton interpreter unavailable: {reason}"
-    try:
-        import sglang  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "sglang":
-            return None, INSTALL_HINT
-        return None, f"sglang does not import ({exc}); {INSTALL_HINT}"
-    except Exception as exc:  # noqa: BLE001
-        return None, f"sglang is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    reason = import_failure("sglang", INSTALL_HINT)
+    if reason:
+        return None, reason
+    import sglang
     from fp8rl.engines._sglang_shim import torchvision_stub
 
     try:

@@ -59,7 +59,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
+from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported, import_failure
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
@@ -125,14 +125,9 @@ def _import_verl_fp8(triton: bool = False) -> tuple[Any, str | None]:
         fk, reason = _import_verl_triton()
         if fk is None:
             return None, reason
-    try:
-        import verl  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "verl":
-            return None, INSTALL_HINT
-        return None, f"verl does not import ({exc}); {INSTALL_HINT}"
-    except Exception as exc:  # noqa: BLE001
-        return None, f"verl is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    reason = import_failure("verl", INSTALL_HINT)
+    if reason:
+        return None, reason
     stub_name = "verl.workers.rollout.utils"
     if not triton and "verl.utils.kernel.fp8_kernel" not in sys.modules:
         # fp8_kernel reads the switch once, at import: force the PyTorch path unless the user chose otherwise
