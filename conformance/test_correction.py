@@ -331,6 +331,39 @@ def _full_compare(engine, b: Batch, cfg: C.CorrectionConfig, *, weights=True, ma
         _compare_metrics(got, ref, b, cfg, metrics, ctx)
 
 
+def _check_drawn(engine, batch_strategy, param_strategies, make_cfg, *, screen: bool = True,
+                 normalized: bool = False) -> None:
+    """The common property: for hypothesis-drawn batches and parameters, ``cfg = make_cfg(*params)`` and the
+    engine's weights, mask (and nothing else) equal the oracle's (:func:`_full_compare`). ``screen`` drops examples
+    whose keep/reject decision is ambiguous within the bound and those where IcePop zeroes every weight;
+    ``normalized`` also drops batch-normalized examples whose factor is ~0 (every weight truncated away)."""
+    @_no_shrink()
+    @given(batch_strategy, st.tuples(*param_strategies))
+    def inner(b, params):
+        cfg = make_cfg(*params)
+        if screen:
+            assume(not _ambiguous(b, cfg))
+            _assume_some_weight(b, cfg)
+        if normalized:
+            _, _, factor = C.is_weights(_delta(b), _m(b), cfg)
+            assume(factor is not None and factor > 1e-6)
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+def _rs_cfg(spec: tuple) -> C.CorrectionConfig:
+    return C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+
+
+def _compare_metric_keys(engine, b: Batch, cfg: C.CorrectionConfig, keys) -> None:
+    """The engine's metrics in ``keys`` vs the oracle's; skipped when it reports none of them."""
+    got = _call(engine, b, cfg)
+    _skip_unless_metrics(got, keys)
+    ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
+    _compare_metrics(got, ref, b, cfg, keys, _ctx(b, cfg))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # IS weights: TIS, IcePop, sequence, geometric, batch normalization
 
@@ -339,13 +372,7 @@ def _full_compare(engine, b: Batch, cfg: C.CorrectionConfig, *, weights=True, ma
        "hypothesis-drawn batches (single-token and empty rows, garbage padding) and thresholds U.",
        bound="corr_weight", requires=[CAP])
 def test_token_tis_exact(engine):
-    @_no_shrink()
-    @given(batches(), tis_thresholds())
-    def inner(b, u):
-        cfg = C.CorrectionConfig("token", u)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [tis_thresholds()], lambda u: C.CorrectionConfig("token", u), screen=False)
 
 
 @check("CORR-TIS-002", "The TIS bound: 0 ≤ w ≤ U on every token (before batch normalization), even for |δ| far "
@@ -372,12 +399,8 @@ def test_tis_bound(engine):
        "ratios, clamped on the sum — broadcast to every valid token of the row.", bound="corr_weight",
        requires=[CAP])
 def test_sequence_tis_exact(engine):
-    @_no_shrink()
-    @given(batches(max_delta=2.0), tis_thresholds())
-    def inner(b, u):
-        _full_compare(engine, b, C.CorrectionConfig("sequence", u))
-
-    inner()
+    _check_drawn(engine, batches(max_delta=2.0), [tis_thresholds()], lambda u: C.CorrectionConfig("sequence", u),
+                 screen=False)
 
 
 @check("CORR-TIS-004", "TIS truncates from above only: a token with ρ = 1/(4U) keeps its weight 1/(4U), one with "
@@ -403,75 +426,34 @@ def test_tis_no_lower_truncation(engine):
 @check("CORR-MIS-001", "Token IcePop/MIS with asymmetric 'lo_hi' bounds: w_t = ρ_t if lo ≤ ρ_t ≤ hi else 0; the "
        "mask is unchanged.", bound="corr_weight", requires=[CAP])
 def test_token_icepop_exact(engine):
-    @_no_shrink()
-    @given(batches(), icepop_bounds())
-    def inner(b, spec):
-        cfg = C.CorrectionConfig("token", spec)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [icepop_bounds()], lambda spec: C.CorrectionConfig("token", spec))
 
 
 @check("CORR-MIS-002", "Sequence IcePop/MIS: a row whose product ratio Π ρ_t is outside [lo, hi] gets weight 0 on "
        "every token, a row inside gets Π ρ_t; the mask is unchanged.", bound="corr_weight", requires=[CAP])
 def test_sequence_icepop_exact(engine):
-    @_no_shrink()
-    @given(batches(max_delta=1.0), icepop_bounds())
-    def inner(b, spec):
-        cfg = C.CorrectionConfig("sequence", spec)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(max_delta=1.0), [icepop_bounds()], lambda spec: C.CorrectionConfig("sequence", spec))
 
 
 @check("CORR-GEO-001", "Geometric-mean IS: w_i = exp(clamp(mean_t δ_t, ±20)) broadcast, then TIS or IcePop.",
        bound="corr_weight", requires=[CAP, "rollout_correction.geometric"])
 def test_geometric_is_exact(engine):
-    @_no_shrink()
-    @given(batches(), is_configs(levels=("geometric",)))
-    def inner(b, cfg):
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [is_configs(levels=("geometric",))], lambda cfg: cfg)
 
 
 @check("CORR-NORM-001", "Token-level batch normalization: after truncation w ← w / μ with μ the mean weight over "
        "valid tokens only (padding excluded), so the valid weights average 1.", bound="corr_weight",
        requires=[CAP])
 def test_token_batch_norm_exact(engine):
-    @_no_shrink()
-    @given(batches(), st.one_of(tis_thresholds(), icepop_bounds()))
-    def inner(b, thr):
-        cfg = C.CorrectionConfig("token", thr, rollout_is_batch_normalize=True)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
-        assume(factor is not None and factor > 1e-6)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [st.one_of(tis_thresholds(), icepop_bounds())],
+                 lambda thr: C.CorrectionConfig("token", thr, rollout_is_batch_normalize=True), normalized=True)
 
 
 @check("CORR-NORM-002", "Sequence-level batch normalization: μ is the mean of the row weights over valid rows "
        "(empty rows and padding excluded; not token-weighted).", bound="corr_weight", requires=[CAP])
 def test_sequence_batch_norm_exact(engine):
-    @_no_shrink()
-    @given(batches(max_delta=1.0), st.one_of(tis_thresholds(), icepop_bounds()))
-    def inner(b, thr):
-        cfg = C.CorrectionConfig("sequence", thr, rollout_is_batch_normalize=True)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
-        assume(factor is not None and factor > 1e-6)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(max_delta=1.0), [st.one_of(tis_thresholds(), icepop_bounds())],
+                 lambda thr: C.CorrectionConfig("sequence", thr, rollout_is_batch_normalize=True), normalized=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -482,30 +464,14 @@ def test_sequence_batch_norm_exact(engine):
        "keeps a token/row iff its statistic ≤ U; the new mask equals the oracle's.", bound="corr_stat",
        requires=[CAP])
 def test_rs_k2_k3_exact(engine):
-    @_no_shrink()
-    @given(batches(), rs_specs(k1=False, max_options=1))
-    def inner(b, spec):
-        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [rs_specs(k1=False, max_options=1)], _rs_cfg)
 
 
 @check("CORR-RS-002", "k1 rejection with symmetric ratio bounds (a bare float hi means lo = 1/hi): keep iff "
        "lo ≤ ρ_t (token), lo ≤ Π ρ_t (seq_sum), lo ≤ (Π ρ_t)^(1/T) (seq_mean) ≤ hi.", bound="corr_stat",
        requires=[CAP])
 def test_rs_k1_symmetric_exact(engine):
-    @_no_shrink()
-    @given(batches(), rs_specs(k1=True, symmetric=True, max_options=1))
-    def inner(b, spec):
-        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [rs_specs(k1=True, symmetric=True, max_options=1)], _rs_cfg)
 
 
 @check("CORR-RS-003", "k1 rejection with asymmetric 'lo_hi' bounds tests the ratio ρ = π_train/π_rollout (not "
@@ -520,34 +486,20 @@ def test_rs_k1_asymmetric_direction(engine):
         got = _call(engine, b, cfg)
         ref = C.rollout_correction(lo, lr, b.mask, cfg)
         _compare_mask(got, ref.mask, f"fixed ρ = [3, 1/3], {opt} '0.9_4.0'")
-
-    @_no_shrink()
-    @given(batches(), rs_specs(k1=True, symmetric=False, max_options=1))
-    def inner(b, spec):
-        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [rs_specs(k1=True, symmetric=False, max_options=1)], _rs_cfg)
 
 
 @check("CORR-RS-004", "Comma-combined RS options (with per-option or broadcast thresholds) reject a token iff any "
        "option rejects it (logical AND of the keeps); duplicated options count once.", bound="corr_stat",
        requires=[CAP])
 def test_rs_combined_exact(engine):
-    @_no_shrink()
-    @given(batches(), rs_specs(symmetric=True, max_options=3), st.booleans())
-    def inner(b, spec, duplicate):
+    def cfg(spec, duplicate):
         opts, thr = spec
         if duplicate:  # the duplicate counts once, so the per-option thresholds still match the unique options
             opts = f"{opts},{opts.split(',')[0]}"
-        cfg = C.CorrectionConfig(None, rollout_rs=opts, rollout_rs_threshold=thr)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
+        return _rs_cfg((opts, thr))
 
-    inner()
+    _check_drawn(engine, batches(), [rs_specs(symmetric=True, max_options=3), st.booleans()], cfg)
 
 
 @check("CORR-RS-005", "Rejection sampling changes the mask only: the IS weights with RS equal the weights without "
@@ -574,15 +526,8 @@ def test_rs_masks_only(engine):
        "valid token has ρ_t < τ; weights are untouched.", bound="corr_stat",
        requires=[CAP, "rollout_correction.veto"])
 def test_veto_exact(engine):
-    @_no_shrink()
-    @given(batches(), st.integers(-300, -1).map(lambda j: math.exp((j + 0.5) / 64)))
-    def inner(b, tau):
-        cfg = C.CorrectionConfig("token", 2.0, rollout_token_veto_threshold=tau)
-        assume(not _ambiguous(b, cfg))
-        _assume_some_weight(b, cfg)
-        _full_compare(engine, b, cfg)
-
-    inner()
+    _check_drawn(engine, batches(), [st.integers(-300, -1).map(lambda j: math.exp((j + 0.5) / 64))],
+                 lambda tau: C.CorrectionConfig("token", 2.0, rollout_token_veto_threshold=tau))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -597,10 +542,7 @@ def test_offpolicy_metrics(engine):
     @given(batches(empty_rows=False), is_configs(normalize=False))
     def inner(b, cfg):
         _assume_some_weight(b, cfg)
-        got = _call(engine, b, cfg)
-        _skip_unless_metrics(got, OFFPOLICY_KEYS)
-        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-        _compare_metrics(got, ref, b, cfg, OFFPOLICY_KEYS, _ctx(b, cfg))
+        _compare_metric_keys(engine, b, cfg, OFFPOLICY_KEYS)
 
     inner()
 
@@ -614,12 +556,9 @@ def test_is_metrics(engine):
     def inner(b, cfg):
         assume(not _ambiguous(b, cfg))
         _assume_some_weight(b, cfg)
-        w_ref, _, factor = C.is_weights(_delta(b), _m(b), cfg)
+        _, _, factor = C.is_weights(_delta(b), _m(b), cfg)
         assume(factor is None or factor > 1e-6)
-        got = _call(engine, b, cfg)
-        _skip_unless_metrics(got, IS_KEYS)
-        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-        _compare_metrics(got, ref, b, cfg, IS_KEYS, _ctx(b, cfg))
+        _compare_metric_keys(engine, b, cfg, IS_KEYS)
 
     inner()
 
@@ -630,14 +569,10 @@ def test_rs_metrics(engine):
     @_no_shrink()
     @given(batches(empty_rows=False), rs_specs(symmetric=True, max_options=3))
     def inner(b, spec):
-        cfg = C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+        cfg = _rs_cfg(spec)
         assume(not _ambiguous(b, cfg))
         _assume_some_weight(b, cfg)
-        got = _call(engine, b, cfg)
-        keys = _rs_keys(cfg)
-        _skip_unless_metrics(got, keys)
-        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-        _compare_metrics(got, ref, b, cfg, keys, _ctx(b, cfg))
+        _compare_metric_keys(engine, b, cfg, _rs_keys(cfg))
 
     inner()
 
@@ -648,11 +583,7 @@ def test_prob_metrics(engine):
     @_no_shrink()
     @given(batches(empty_rows=False, max_delta=1.0))
     def inner(b):
-        cfg = C.CorrectionConfig(None)
-        got = _call(engine, b, cfg)
-        _skip_unless_metrics(got, PROB_KEYS)
-        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-        _compare_metrics(got, ref, b, cfg, PROB_KEYS, _ctx(b, cfg))
+        _compare_metric_keys(engine, b, C.CorrectionConfig(None), PROB_KEYS)
 
     inner()
 
@@ -663,11 +594,7 @@ def test_token_mult_prob_error(engine):
     @_no_shrink()
     @given(batches())
     def inner(b):
-        cfg = C.CorrectionConfig(None)
-        got = _call(engine, b, cfg)
-        _skip_unless_metrics(got, ["token_mult_prob_error"])
-        ref = C.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-        _compare_metrics(got, ref, b, cfg, ["token_mult_prob_error"], _ctx(b, cfg))
+        _compare_metric_keys(engine, b, C.CorrectionConfig(None), ["token_mult_prob_error"])
 
     inner()
 
