@@ -134,10 +134,8 @@ def _faithful_convert(input: Any, input_dtype: Any, output_dtype: Any, rounding_
     down = (src is not None and dst is not None and input_dtype.primitive_bitwidth > output_dtype.primitive_bitwidth)
     if _state["mode"] != "faithful" or not (down and rtne):
         return original(input, input_dtype, output_dtype, rounding_mode)
-    bits = {16: np.uint16, 32: np.uint32}[input_dtype.primitive_bitwidth]
-    raw = np.ascontiguousarray(input).view(bits)
-    t = torch.from_numpy(raw.astype(np.int64 if bits is np.uint32 else np.int32))
-    t = t.to(torch.int32 if bits is np.uint32 else torch.int16).view(src).to(torch.float32)
+    same_width = {16: np.int16, 32: np.int32}[input_dtype.primitive_bitwidth]  # reinterpret the bits, no copy
+    t = torch.from_numpy(np.ascontiguousarray(input).view(same_width)).view(src).to(torch.float32)
     if dst in (torch.float8_e4m3fn, torch.float8_e5m2):
         fmax = float(torch.finfo(dst).max)
         t = torch.where(t.isnan(), t, t.clamp(-fmax, fmax))  # satfinite: ±inf and finite overflow → ±max
