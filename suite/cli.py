@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: modules that add subcommands (imported only if present in this installation)
-EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.correction_cli", "fp8rl.perf.cli")
+EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.report_cli", "fp8rl.perf.cli")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from fp8rl.reference import formats as F
+from support.upstream import holds, pin_marks, pinned
 
 FMT_NAMES = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e8m0fnu")
 FNUZ = ("e4m3fnuz", "e5m2fnuz")
@@ -177,12 +178,26 @@ def sweep(name: str) -> np.ndarray:
 
 # --- documented differences between the references and the oracle ----------------------------------------
 
-def _e8m0_torch_quirks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Masks of the two e8m0fnu regions where torch's cast (and ml_dtypes') differ from the oracle.
+#: versions in which the documented differences below were verified (tests/support/upstream.py): a version outside
+#: a range skips the tests that pin it ("re-verify"), it does not fail them.
+TORCH_E8M0_PIN = ("torch", "==2.13.*", "e8m0fnu: fp32 subnormals in (2^-127, 1.5·2^-127) round up to 0x01; finite "
+                  "x ≥ 1.5·2^127 gives NaN 0xFF")
+#: ml_dtypes up to 0.6.x rounds fp32 subnormals to e8m0fnu like torch (0x01); 0.7.0 changed that rounding, and
+#: now gives 0x00 for (2^-127, 1.5·2^-127), as the oracle does (measured on 0.5.0, 0.5.1, 0.5.3, 0.5.4, 0.6.0, 0.7.0)
+ML_E8M0_SUBNORMAL_UP = ("ml_dtypes", ">=0.5,<0.7", "e8m0fnu: fp32 subnormals in (2^-127, 1.5·2^-127) round up "
+                        "to 0x01")
+ML_E8M0_SUBNORMAL_NEAREST = ("ml_dtypes", ">=0.7", "e8m0fnu: fp32 subnormals in (2^-127, 1.5·2^-127) round to "
+                             "0x00, as the oracle does")
+#: ml_dtypes 0.5.0 still gave 0xFE for exactly 1.5·2^127; from 0.5.1 every finite x ≥ 1.5·2^127 gives NaN 0xFF
+ML_E8M0_OVERFLOW_NAN = ("ml_dtypes", ">=0.5.1", "e8m0fnu: finite x ≥ 1.5·2^127 gives NaN 0xFF")
+
+
+def _e8m0_quirks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Masks of the two e8m0fnu regions where torch's cast (and ml_dtypes', by version) differ from the oracle.
 
     * ``sub``: |x| an fp32 subnormal strictly between 2^-127 (bits 0x00400000) and 1.5·2^-127 (0x00600000).
-      torch/ml_dtypes round the fp32 *exponent field* with guard/round/sticky bits, so any subnormal above
-      2^-127 goes up to 2^-126 (code 0x01); the oracle rounds the value (nearest, ties up) → 2^-127 (0x00).
+      torch (and ml_dtypes < 0.7) round the fp32 *exponent field* with guard/round/sticky bits, so any subnormal
+      above 2^-127 goes up to 2^-126 (code 0x01); the oracle rounds the value (nearest, ties up) → 2^-127 (0x00).
     * ``ovf``: finite |x| ≥ 1.5·2^127 (bits ≥ 0x7F400000): torch/ml_dtypes round up past 0xFE into 0xFF (NaN);
       the oracle ignores the overflow policy for e8m0 and clamps to 0xFE (2^127).
     """
@@ -192,19 +207,32 @@ def _e8m0_torch_quirks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sub, ovf
 
 
-def _torch_expected(x: np.ndarray, name: str, oracle: np.ndarray) -> np.ndarray:
-    """torch's codes predicted from the oracle's codes (under TORCH_POLICY) plus the documented differences."""
+def _e8m0_expected(x: np.ndarray, oracle: np.ndarray, *, subnormal_up: bool) -> np.ndarray:
+    """An e8m0fnu cast predicted from the oracle's codes plus the documented differences: overflow → NaN 0xFF,
+    and the subnormal rounding up to 0x01 when ``subnormal_up``."""
+    sub, ovf = _e8m0_quirks(x)
+    assert np.all(oracle[sub] == 0x00) and np.all(oracle[ovf] == 0xFE)
     want = oracle.copy()
-    if name == "e8m0fnu":
-        sub, ovf = _e8m0_torch_quirks(x)
-        assert np.all(oracle[sub] == 0x00) and np.all(oracle[ovf] == 0xFE)
+    if subnormal_up:
         want[sub] = 0x01
-        want[ovf] = 0xFF
+    want[ovf] = 0xFF
     return want
 
 
+#: the torch cross-checks: e8m0fnu includes torch's documented differences, so it is a pin of torch's behaviour
+TORCH_SWEEP_NAMES = [n if n != "e8m0fnu" else pytest.param(n, marks=pin_marks(*TORCH_E8M0_PIN)) for n in FMT_NAMES]
+
+
+def _torch_expected(x: np.ndarray, name: str, oracle: np.ndarray) -> np.ndarray:
+    """torch's codes predicted from the oracle's codes (under TORCH_POLICY) plus the documented differences."""
+    if name == "e8m0fnu":
+        return _e8m0_expected(x, oracle, subnormal_up=True)
+    return oracle.copy()
+
+
 def _ml_expected(x: np.ndarray, name: str, oracle: np.ndarray) -> np.ndarray:
-    """ml_dtypes' codes predicted from the oracle's codes (under ML_POLICY) plus the documented differences."""
+    """ml_dtypes' codes predicted from the oracle's codes (under ML_POLICY) plus the documented differences of the
+    installed ml_dtypes version."""
     want = oracle.copy()
     neg = (_bits(x) >> 31) == 1
     if name == "e5m2":
@@ -213,7 +241,7 @@ def _ml_expected(x: np.ndarray, name: str, oracle: np.ndarray) -> np.ndarray:
         assert np.all(oracle[nan] == np.where(neg[nan], 0xFF, 0x7F))
         want[nan] = np.where(neg[nan], 0xFE, 0x7E)
     if name == "e8m0fnu":
-        want = _torch_expected(x, name, oracle)  # same rounding/overflow quirks as torch
+        want = _e8m0_expected(x, oracle, subnormal_up=holds(*ML_E8M0_SUBNORMAL_UP[:2]))
         # ml_dtypes: e8m0 has no zero and no sign, so ±0 and every negative input (sign bit set) → NaN 0xFF;
         # torch and the oracle ignore the sign and send ±0 to 2^-127 (0x00).
         want[neg | (x == 0)] = 0xFF
@@ -341,6 +369,7 @@ def test_torch_finfo_eps_matches_hand_derived_exact(name):
     assert torch.finfo(F.FORMATS[name].torch_dtype()).eps == HAND[name]["eps"]
 
 
+@pinned("torch", "==2.13.*", "finfo(float8_e5m2fnuz).eps is 0.125, half the true epsilon 0.25")
 def test_torch_finfo_e5m2fnuz_eps_is_half_the_true_epsilon_exact():
     """Known torch quirk (2.13): finfo(float8_e5m2fnuz).eps is 2^-3, but with 2 mantissa bits the step after
     1.0 is 2^-2 (1.0 = 0x40 → 1.25 = 0x41, confirmed by torch's own decode). ml_dtypes reports 0.25."""
@@ -366,14 +395,14 @@ def test_metadata_matches_ml_dtypes_finfo_exact(name):
 # encoder vs torch and ml_dtypes on dense sweeps
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", FMT_NAMES)
+@pytest.mark.parametrize("name", TORCH_SWEEP_NAMES)
 def test_encode_sweep_matches_torch_exact(name):
     x = sweep(name)
     oracle = ours(x, name, TORCH_POLICY[name])
     want = _torch_expected(x, name, oracle)
     assert_codes_equal(x, torch_codes(x, name), want, f"torch .to({name}) vs oracle[{TORCH_POLICY[name]}]")
     if name == "e8m0fnu":  # the documented exceptions are exercised by the sweep, not vacuous
-        sub, ovf = _e8m0_torch_quirks(x)
+        sub, ovf = _e8m0_quirks(x)
         assert sub.sum() >= 4 and ovf.sum() >= 4
 
 
@@ -386,7 +415,7 @@ def test_encode_sweep_matches_ml_dtypes_exact(name):
 
 
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", FMT_NAMES)
+@pytest.mark.parametrize("name", TORCH_SWEEP_NAMES)
 def test_encode_bf16_fp16_sources_match_torch_exact(name, src):
     """torch casts straight from bf16/fp16; the oracle takes the same tensor (upcast to fp32 exactly)."""
     t = torch.from_numpy(np.array(sweep(name))).to(src)
@@ -570,32 +599,63 @@ def test_e8m0_zero_negative_handling_torch_vs_ml_dtypes_exact():
         assert_codes_equal(x, ours(x, "e8m0fnu", policy), torch_want, f"oracle e8m0[{policy}]")
 
 
+#: fp32 subnormals 2^-127 + 1 ulp, 1.25·2^-127, 1.5·2^-127 - 1 ulp: where torch rounds up and the oracle does not
+E8M0_SUBNORMAL_SPLIT = [0x00400001, 0x00500000, 0x005FFFFF]
+#: the rest of the subnormal range, where every implementation agrees
+E8M0_SUBNORMAL_AGREE = ([1, 0x00200000, 0x003FFFFF, 0x00400000, 0x00600000, 0x00600001, 0x007FFFFF],
+                        [0x00, 0x00, 0x00, 0x00, 0x01, 0x01, 0x01])
+
+
+@pinned(*TORCH_E8M0_PIN)
 def test_e8m0_fp32_subnormal_rounding_torch_vs_oracle_exact():
-    """Known difference: torch and ml_dtypes send fp32 subnormals in (2^-127, 1.5·2^-127) to 2^-126 (0x01) —
-    they round the fp32 exponent field with guard/round/sticky bits, for which a subnormal's implicit bit is 0.
-    The oracle rounds the value: 2^-127·(1+δ) with δ < 1/2 is nearest to 2^-127 (0x00)."""
-    x = _from_bits([0x00400001, 0x00500000, 0x005FFFFF])  # 2^-127 + 1 ulp, 1.25·2^-127, 1.5·2^-127 - 1 ulp
+    """Known difference: torch sends fp32 subnormals in (2^-127, 1.5·2^-127) to 2^-126 (0x01): it rounds the fp32
+    exponent field with guard/round/sticky bits, for which a subnormal's implicit bit is 0. The oracle rounds the
+    value: 2^-127·(1+δ) with δ < 1/2 is nearest to 2^-127 (0x00)."""
+    x = _from_bits(E8M0_SUBNORMAL_SPLIT)
     assert torch_codes(x, "e8m0fnu").tolist() == [0x01] * 3
-    assert ml_codes(x, "e8m0fnu").tolist() == [0x01] * 3
     assert ours(x, "e8m0fnu").tolist() == [0x00] * 3
-    # everywhere else in the subnormal range all three agree
-    agree = _from_bits([1, 0x00200000, 0x003FFFFF, 0x00400000, 0x00600000, 0x00600001, 0x007FFFFF])
-    want = [0x00, 0x00, 0x00, 0x00, 0x01, 0x01, 0x01]
-    for got in (torch_codes(agree, "e8m0fnu"), ml_codes(agree, "e8m0fnu"), ours(agree, "e8m0fnu")):
+    agree, want = E8M0_SUBNORMAL_AGREE  # everywhere else in the subnormal range torch and the oracle agree
+    for got in (torch_codes(_from_bits(agree), "e8m0fnu"), ours(_from_bits(agree), "e8m0fnu")):
         assert got.tolist() == want
 
 
+@pinned(*ML_E8M0_SUBNORMAL_UP)
+def test_e8m0_fp32_subnormal_rounding_ml_dtypes_before_0_7_rounds_up_exact():
+    """Known difference up to ml_dtypes 0.6.x: the same rounding as torch (0x01 where the oracle gives 0x00)."""
+    assert ml_codes(_from_bits(E8M0_SUBNORMAL_SPLIT), "e8m0fnu").tolist() == [0x01] * 3
+    agree, want = E8M0_SUBNORMAL_AGREE
+    assert ml_codes(_from_bits(agree), "e8m0fnu").tolist() == want
+
+
+@pinned(*ML_E8M0_SUBNORMAL_NEAREST)
+def test_e8m0_fp32_subnormal_rounding_ml_dtypes_from_0_7_matches_oracle_exact():
+    """ml_dtypes 0.7.0 changed e8m0fnu rounding of fp32 subnormals: (2^-127, 1.5·2^-127) now gives 0x00, code for
+    code the oracle's, over the whole fp32 subnormal range."""
+    x = _from_bits(E8M0_SUBNORMAL_SPLIT)
+    assert ml_codes(x, "e8m0fnu").tolist() == ours(x, "e8m0fnu").tolist() == [0x00] * 3
+    every_subnormal = _from_bits(np.arange(1, 0x00800000, 97, dtype=np.uint32))
+    assert_codes_equal(every_subnormal, ml_codes(every_subnormal, "e8m0fnu"), ours(every_subnormal, "e8m0fnu"),
+                       "ml_dtypes e8m0fnu vs oracle on fp32 subnormals")
+
+
+@pinned(*TORCH_E8M0_PIN)
 def test_e8m0_overflow_torch_nans_oracle_saturates_exact():
-    """Known difference: finite x ≥ 1.5·2^127 rounds up past 2^127; torch and ml_dtypes give NaN (0xFF), the
-    oracle clamps to 2^127 (0xFE) under every policy (its e8m0 path ignores ``overflow``)."""
+    """Known difference: finite x ≥ 1.5·2^127 rounds up past 2^127; torch gives NaN (0xFF), the oracle clamps to
+    2^127 (0xFE) under every policy (its e8m0 path ignores ``overflow``)."""
     x = _from_bits([0x7F400000, 0x7F400001, 0x7F7FFFFF])  # 1.5·2^127, +1 ulp, FLT_MAX
     assert torch_codes(x, "e8m0fnu").tolist() == [0xFF] * 3
-    assert ml_codes(x, "e8m0fnu").tolist() == [0xFF] * 3
     for policy in F.E8M0FNU.allowed_overflow():
         assert ours(x, "e8m0fnu", policy).tolist() == [0xFE] * 3
     below = _from_bits([0x7F000000, 0x7F3FFFFF])  # 2^127, 1.5·2^127 - 1 ulp
-    for got in (torch_codes(below, "e8m0fnu"), ml_codes(below, "e8m0fnu"), ours(below, "e8m0fnu")):
+    for got in (torch_codes(below, "e8m0fnu"), ours(below, "e8m0fnu")):
         assert got.tolist() == [0xFE, 0xFE]
+
+
+@pinned(*ML_E8M0_OVERFLOW_NAN)
+def test_e8m0_overflow_ml_dtypes_nans_exact():
+    """Known difference: ml_dtypes, like torch, gives NaN (0xFF) for finite x ≥ 1.5·2^127 (0xFE below)."""
+    assert ml_codes(_from_bits([0x7F400000, 0x7F400001, 0x7F7FFFFF]), "e8m0fnu").tolist() == [0xFF] * 3
+    assert ml_codes(_from_bits([0x7F000000, 0x7F3FFFFF]), "e8m0fnu").tolist() == [0xFE, 0xFE]
 
 
 # fp32 NaN inputs: quiet, signalling, full payload, other payload; the same with the sign bit set.

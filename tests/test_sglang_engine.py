@@ -20,6 +20,10 @@ from fp8rl.engines import _triton_interp
 from fp8rl.engines import sglang as S
 from fp8rl.reference.formats import encode
 from fp8rl.reference.quant import PRESETS, Granularity, get_policy, quantize, quantize_with_scale
+from support.upstream import pinned
+
+#: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
+PIN = pinned("sglang", "==0.5.23", "SGLang 0.5.23's FP8 quantizers, GEMM and KV write")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,7 @@ def _u8(t):
     return t.view(torch.uint8)
 
 
+@PIN
 def test_capabilities_policies_and_notes(eng, ns):
     caps = eng.capabilities()
     for k in ("cast.e4m3fn", "cast.e5m2", "quantize.tensor", "quantize.token", "quantize.channel", "quantize.group",
@@ -104,6 +109,7 @@ def test_capabilities_policies_and_notes(eng, ns):
     assert "0.5.23" in eng.version() and _triton_interp.interpreter_active()
 
 
+@PIN
 def test_torchvision_stub_is_gone_after_import(ns):
     from fp8rl.engines._sglang_shim import MARKER
 
@@ -116,6 +122,7 @@ def test_torchvision_stub_is_gone_after_import(ns):
             iu.T.Compose([])
 
 
+@PIN
 def test_cuda_only_entry_points_raise_name_error(ns):
     x = _x((2, 256))
     with pytest.raises(NameError, match="sgl_per_token_quant_fp8"):
@@ -130,6 +137,7 @@ def test_cuda_only_entry_points_raise_name_error(ns):
         assert not hasattr(ns.qk, name)  # defined only under `if _is_hip:`
 
 
+@PIN
 def test_group_row_major_is_the_production_path_exact(eng):
     x = _x((8, 384), seed=1)
     got = eng.quantize(x, Granularity.group(128))
@@ -137,6 +145,7 @@ def test_group_row_major_is_the_production_path_exact(eng):
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.codes, ref.codes)
 
 
+@PIN
 def test_group_column_major_divides_exact(ns):
     x = _x((64, 512), seed=2)
     x[0, :2] = torch.tensor([3136.0, 10.9375])  # s = 7, x/s = 1.5625 is a tie: x/s → 0x3c, x·fl32(1/7) → 0x3d
@@ -152,6 +161,7 @@ def test_group_column_major_divides_exact(ns):
     assert int((diff != 0).sum()) < x.numel() // 100 and int(diff.max()) == 1
 
 
+@PIN
 def test_group_ue8m0_kernel_exact(ns):
     """SCALE_UE8M0 is reachable only by launching the kernel: the Python entry then needs deep_gemm."""
     x = _x((4, 256), seed=3)
@@ -168,6 +178,7 @@ def test_group_ue8m0_kernel_exact(ns):
     assert bool((torch.log2(s) == torch.log2(s).round()).all())
 
 
+@PIN
 def test_static_quant_multiplies_by_the_reciprocal_exact(ns):
     x = torch.tensor([[10.9375, -10.9375, 7.0 * 448 * 2, 0.0]])
     with _triton_interp.conversions("faithful"):
@@ -177,6 +188,7 @@ def test_static_quant_multiplies_by_the_reciprocal_exact(ns):
     assert torch.equal(_u8(q), ref) and _u8(q).tolist() == [[0x3D, 0xBD, 0x7E, 0]]  # x/7 would give 0x3c
 
 
+@PIN
 def test_nan_becomes_minus_448_in_triton_clamp(ns, eng):
     """Finding (sglang.xfails CAST-SWEEP-001[e4m3fn): tl.clamp(propagate_nan=NONE) maps NaN to the lower bound."""
     x = torch.tensor([[float("nan"), 1.0, float("inf"), -float("inf")]])
@@ -190,6 +202,7 @@ def test_nan_becomes_minus_448_in_triton_clamp(ns, eng):
     assert got[0] & 0x7F == 0x7F and got[1:] == [0x38, 0x7E, 0xFE]
 
 
+@PIN
 def test_mla_per_tensor_multi_head_exact(ns):
     x = _x((6, 64), seed=4).reshape(2, 3, 64)  # [heads, seq, head_size]
     with _triton_interp.conversions("faithful"):
@@ -199,6 +212,7 @@ def test_mla_per_tensor_multi_head_exact(ns):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@PIN
 def test_fp8_quantize_scaled_exact(ns, fmt):
     x = (_x((4, 64), seed=5, spread=4) * 3).to(torch.bfloat16)
     s = torch.tensor([0.37], dtype=torch.float32)
@@ -210,6 +224,7 @@ def test_fp8_quantize_scaled_exact(ns, fmt):
     assert torch.equal(_u8(q), quantize_with_scale(x.float(), s, Granularity.tensor(), pol))
 
 
+@PIN
 def test_input_to_float8_reciprocal_times_max(ns):
     """input_to_float8 writes ``fp_max / amax`` (Python float / tensor), which torch evaluates as
     ``amax.reciprocal() * fp_max``: m = fl(fl(1/amax)·448), not fl(448/amax) — no ScalePolicy expresses it, so the
@@ -243,6 +258,7 @@ def _native_fallbacks(ns):
     return g
 
 
+@PIN
 def test_native_fallbacks_source_extracted_exact(ns):
     g = _native_fallbacks(ns)
     x = _x((5, 200), seed=7)
@@ -259,6 +275,7 @@ def test_native_fallbacks_source_extracted_exact(ns):
     assert torch.equal(_u8(out_t), quantize_with_scale(x, torch.tensor([7.0]), Granularity.tensor(), "sglang_native"))
 
 
+@PIN
 def test_block_gemm_device_name_shim(ns, eng):
     a = quantize(_x((3, 384), seed=8), Granularity.group(128), "reference")
     w = quantize(_x((128, 384), seed=9, spread=1) * 0.05, Granularity.block(128), "reference")
@@ -272,6 +289,7 @@ def test_block_gemm_device_name_shim(ns, eng):
     assert out.dtype == torch.float32 and torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-6)
 
 
+@PIN
 def test_kv_store_divides_without_clamp(eng):
     x = torch.tensor([1.0, 3.0, 5000.0, -float("inf"), float("nan"), 10.9375]).reshape(1, 1, 1, 6)
     c = eng.kv_store(x, torch.tensor(7.0), fmt="e4m3fn", layout="tensor")
@@ -281,6 +299,7 @@ def test_kv_store_divides_without_clamp(eng):
     assert (pol.quant_op, pol.clamp, pol.overflow) == ("div", False, "saturate")
 
 
+@PIN
 def test_raw_interpreter_conversions_differ(ns):
     r = S.raw_vs_faithful()
     assert r["raw"]["group_scales_equal"] and r["faithful"]["group_scales_equal"]

@@ -13,7 +13,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+from support.upstream import pin_marks  # noqa: E402
 
+#: every test here pins Triton 3.9.0's interpreter (its conversions and the workaround's scope)
+pytestmark = pin_marks("triton", "==3.9.0", "Triton 3.9.0 interpreter: fp32/bf16 -> fp8/bf16 conversions")
 TI = pytest.importorskip("fp8rl.engines._triton_interp")
 if TI.triton_reason():
     pytest.skip(TI.triton_reason(), allow_module_level=True)

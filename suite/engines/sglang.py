@@ -75,8 +75,8 @@ every report), the ``get_device_name`` patch above (:data:`DEVICE_NAME_NOTE`) an
 (:data:`TORCHVISION_NOTE`: a torchvision stand-in visible only to SGLang's own module-level imports while the
 engine imports SGLang; no FP8 op uses it).
 
-Install (own venv): ``pip install -c constraints.txt -e '.[test,sglang]'`` then ``pip install --no-deps
-sglang==0.5.23``.
+Install (own venv): ``nox -s conformance_triton`` builds the locked environment (``locks/triton.txt``); by hand,
+``pip install -c constraints.txt -e '.[test,sglang]'`` then ``pip install --no-deps sglang==0.5.23``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ compute_rollout_correction_and_rejection_mask`` (IS weights, RS mask, IS/RS/off-
 ``algorithm.rollout_correction`` keys; metric names map as in :data:`METRIC_MAP`.
 
 veRL is optional: without it the engine still loads and every capability says how to install it.
-Install (pure-Python wheel, no CUDA): ``pip install -c constraints.txt -e '.[verl]'`` then
-``pip install --no-deps verl==0.9.1`` (veRL's own requirements pull vLLM-era pins, wandb, datasets, …; the
+Install (pure-Python wheel, no CUDA): ``nox -s conformance_verl`` builds the locked environment (``locks/verl.txt``);
+by hand, ``pip install -c constraints.txt -e '.[verl]'`` then ``pip install --no-deps verl==0.9.1`` (veRL's own requirements pull vLLM-era pins, wandb, datasets, …; the
 rollout-correction modules only need the ``[verl]`` extra: ray, tensordict, omegaconf, transformers, codetiming,
 orjson, packaging, numpy).
 
