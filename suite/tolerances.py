@@ -457,7 +457,7 @@ KV_ATTENTION_QUANT = _register(
     "(1+P)·Σ_j p_j δv_jd (p exact). Plus 2·γ_{D+Tk+16}(2^-53) of the two fp64 evaluations. Guaranteed but loose "
     "(worst-case rounding alignment, ~10–100× the typical error): it is the envelope FP8 rounding alone can "
     "explain. Clipped operands are outside its hypothesis: with V clipped by stale scales (range grown 8×) the "
-    "error exceeds it (tests/test_reference_kv.py checks both directions). Clipped K mostly stays inside only "
+    "error exceeds it (tests/oracle/test_reference_kv.py checks both directions). Clipped K mostly stays inside only "
     "because the bound is so loose, which is why the drift simulator uses kv_attention_vs_fresh instead.",
 )
 
@@ -485,7 +485,7 @@ KV_ATTENTION_VS_FRESH = _register(
     "(amax/max of the same data, per tensor). Why a ratio: FP8's relative precision is the same in every "
     "normal binade, so any scale that keeps values in range (and out of the subnormals) gives the same error up "
     "to the rounding realisation; scales that clip the largest |x| (stale scales after the ranges grew) blow it "
-    "up. Measured (tests/test_reference_kv.py::test_rescaled_in_range_error_ratio_stat reproduces it): 120 "
+    "up. Measured (tests/oracle/test_reference_kv.py::test_rescaled_in_range_error_ratio_stat reproduces it): 120 "
     "random QK-normed configs (e4m3fn/e5m2, T 16–64, D 16/64, gains 0.5–4, outlier channels) rescaled by "
     "c ∈ {1.05, 1.3, 2.24, 4, 16, 64, 256}: ratio ∈ [0.39, 1.49] (powers of two give exactly 1); clipping by 2× "
     "(c = 0.5) gives ratio ≥ 1.33 and up to 8.4. Drift simulator, every-step recalibration (strategy B on a "

@@ -19,7 +19,7 @@ Ops and the SGLang code behind each (module paths inside the wheel):
   ``_per_token_group_quant_8bit_colmajor``) divide instead of multiplying → preset
   ``sglang_triton_group_colmajor``; its ``SCALE_UE8M0`` variant → ``sglang_triton_group_ue8m0`` (reachable only by
   launching the kernel: the Python entry then needs ``deep_gemm.transform_sf_into_required_layout``). Both are
-  pinned in tests/test_sglang_engine.py.
+  pinned in tests/engines/triton/test_sglang_engine.py.
 * ``quantize`` token: ``per_token_group_quant_fp8(x, group_size=K)`` — exactly the dynamic activation quant of
   ``srt/layers/quantization/fp8_utils.py::apply_fp8_linear`` when neither CUDA nor HIP (CUDA uses the JIT
   ``sglang_per_token_quant_fp8``, ROCm ``scaled_fp8_quant``) → ``sglang_triton_group`` with one group per row.

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from fp8rl.registry import EngineLoadError, available_engines, load_engine
+from support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def fp8rl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """The SGLang presets of fp8rl.reference.quant (PRESETS), on hand-computed cases — oracle only, no sglang import.
 
 Each preset names one SGLang code path (see its description and fp8rl.engines.sglang); the engine's conformance
-run and tests/test_sglang_engine.py check SGLang against them. Here: the fields, and small inputs whose scales and
+run and tests/engines/triton/test_sglang_engine.py check SGLang against them. Here: the fields, and small inputs whose scales and
 codes were worked out by hand (fp32 bit patterns given in hex).
 """
 

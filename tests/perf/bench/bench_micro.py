@@ -3,8 +3,8 @@ file name does not match ``test_*.py``).
 
 Run, save a baseline, then gate a later run against it (timing needs a quiet machine and no xdist):
 
-    pytest tests/bench -o python_files='bench_*.py' -p no:xdist --benchmark-only --benchmark-autosave
-    pytest tests/bench -o python_files='bench_*.py' -p no:xdist --benchmark-only \\
+    pytest tests/perf/bench -o python_files='bench_*.py' -p no:xdist --benchmark-only --benchmark-autosave
+    pytest tests/perf/bench -o python_files='bench_*.py' -p no:xdist --benchmark-only \\
         --benchmark-compare --benchmark-compare-fail=median:10%
 
 ``--benchmark-compare`` (no value) compares with the latest saved run of this machine under ``.benchmarks/``

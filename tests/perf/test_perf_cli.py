@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from fp8rl.cli import main
+from support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def run(*argv: str) -> int:

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from fp8rl.engine import EngineError
 from fp8rl.engines.reference import ReferenceEngine
 from fp8rl.mutants import MUTANTS, make_mutant
 from fp8rl.tolerances import TOLERANCES
+from support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 KV_CHECK_IDS = {
     "KV-POLICY-001", "KV-STORE-001", "KV-STORE-002", "KV-STORE-003", "KV-STORE-004", "KV-STORE-005",

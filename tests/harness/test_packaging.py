@@ -11,8 +11,9 @@ import venv
 from pathlib import Path
 
 import pytest
+from support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 HEAVY = ["pytest", "hypothesis", "jsonschema", "rich", "matplotlib", "scipy", "ml_dtypes", "transformers",
          "safetensors", "_pytest"]
 

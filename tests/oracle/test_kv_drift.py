@@ -12,15 +12,15 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from fp8rl.engines.torch_native import TorchEngine
 from fp8rl.reference import drift
 from fp8rl.reports import render_section_plots, summarize, validate
+from support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 SMALL = {"steps": 6, "grow_steps": 4, "growth": 0.12, "seq_len": 24, "batch": 2, "calib_batch": 4}
 
 

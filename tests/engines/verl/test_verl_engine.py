@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +13,13 @@ from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference import correction as C
+from support import REPO_ROOT
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
 PIN = pinned("verl", "==0.9.1", "veRL 0.9.1's rollout correction and FP8 weight sync")
 
-XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "verl.xfails"
+XFAILS = REPO_ROOT / "conformance" / "vendors" / "verl.xfails"
 CAPS = ("rollout_correction", "rollout_correction.geometric", "rollout_correction.veto", "rollout_correction.loss")
 
 

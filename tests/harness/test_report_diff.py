@@ -11,9 +11,9 @@ import pytest
 from fp8rl.cli import main
 from fp8rl.reports import summarize
 from fp8rl.reports.diff import classify, diff_reports
-from support import upstream
+from support import REPO_ROOT, upstream
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _report(outcomes: dict[str, str], *, engine: str = "vllm", version: str = "0.32.0",

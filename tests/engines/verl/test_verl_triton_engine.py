@@ -2,7 +2,7 @@
 interpreter.
 
 Without veRL/Triton (the base environment) every capability must say why; with them (the ``[verl]`` venv plus
-triton; run this file in its own pytest process — collecting ``tests/test_verl_engine.py`` first imports veRL's
+triton; run this file in its own pytest process — collecting ``tests/engines/verl/test_verl_engine.py`` first imports veRL's
 fp8_kernel, and with it triton, without the interpreter) the adapter, both veRL paths and the recorded findings are
 pinned bit-exactly against the oracle presets.
 """
@@ -10,7 +10,6 @@ pinned bit-exactly against the oracle presets.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,12 +19,13 @@ from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference.quant import PRESETS, Granularity, quantize
+from support import REPO_ROOT
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
 PIN = pinned("verl", "==0.9.1", "veRL 0.9.1's Triton blockwise FP8 quantizer")
 
-XFAILS = Path(__file__).resolve().parents[1] / "conformance" / "vendors" / "verl-triton.xfails"
+XFAILS = REPO_ROOT / "conformance" / "vendors" / "verl-triton.xfails"
 HAVE = importlib.util.find_spec("verl") is not None and importlib.util.find_spec("triton") is not None
 B = Granularity.block(128)
 _Q = "model.layers.0.mlp.experts.0.down_proj.weight"
