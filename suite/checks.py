@@ -28,10 +28,16 @@ class CheckSpec:
     id: str
     title: str
     area: str
-    bound: str
+    #: the tolerance-table entries the check is judged with (``("exact",)`` for bit-exact checks)
+    bounds: tuple[str, ...]
     requires: tuple[str, ...]
     module: str
     function: str
+
+    @property
+    def bound(self) -> str:
+        """The bound names as one string (report.json ``bound``): ``"a"`` or ``"a, b"``."""
+        return ", ".join(self.bounds)
 
 
 #: every check defined (id → spec); ids are unique across the suite
@@ -43,18 +49,23 @@ def area_of_module(module: str) -> str:
     return module.rsplit(".", 1)[-1].removeprefix("test_")
 
 
-def check(check_id: str, title: str, *, bound: str = "exact", requires: Sequence[str] = (),
+def check(check_id: str, title: str, *, bound: str | Sequence[str] = "exact", requires: Sequence[str] = (),
           timeout: float = 60.0) -> Callable:
     """Declare a conformance check.
 
     ``check_id`` is stable (e.g. ``QUANT-GROUP-003``); ``title`` is its one sentence of spec; ``bound`` names the
-    tolerance-table entry it uses (``exact`` for bit-exact checks); ``requires`` lists capability keys, which may
-    contain ``{param}`` placeholders filled from the test's parameters (e.g. ``cast.{fmt}``).
+    tolerance-table entry it uses (``exact`` for bit-exact checks), or several when the check is judged with more
+    than one; ``requires`` lists capability keys, which may contain ``{param}`` placeholders filled from the test's
+    parameters (e.g. ``cast.{fmt}``).
     """
-    tolerances.get(bound)  # fail at import if the bound is not in the table
+    bounds = (bound,) if isinstance(bound, str) else tuple(bound)
+    if not bounds:
+        raise ValueError(f"check {check_id}: bound: expected a tolerance name or a non-empty sequence of them")
+    for name in bounds:
+        tolerances.get(name)  # fail at import if the bound is not in the table
 
     def deco(fn: Callable) -> Callable:
-        spec = CheckSpec(check_id, title, area_of_module(fn.__module__), bound, tuple(requires), fn.__module__,
+        spec = CheckSpec(check_id, title, area_of_module(fn.__module__), bounds, tuple(requires), fn.__module__,
                          fn.__name__)
         prev = CHECKS.get(check_id)
         if prev is not None and (prev.module, prev.function) != (spec.module, spec.function):

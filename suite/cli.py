@@ -189,7 +189,8 @@ def cmd_checks(args: argparse.Namespace) -> int:
     rows = sorted(CHECKS.values(), key=lambda c: (c.area, c.id))
     if args.json:
         print(json.dumps([{"id": c.id, "area": c.area, "title": c.title, "bound": c.bound,
-                           "bound_derivation": tolerances.get(c.bound).derivation, "requires": list(c.requires)}
+                           "bounds": {b: tolerances.get(b).derivation for b in c.bounds},
+                           "requires": list(c.requires)}
                           for c in rows], indent=2))
         return EXIT_OK
     table = Table(title=f"{len(rows)} conformance checks", title_justify="left")

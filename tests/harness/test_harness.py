@@ -173,7 +173,8 @@ def test_checks_listing_has_unique_ids_and_table_bounds():
     rows = json.loads(r.stdout)
     ids = [row["id"] for row in rows]
     assert len(ids) == len(set(ids)) and len(ids) >= 10
-    assert all(row["bound_derivation"] for row in rows)
+    assert all(row["bounds"] and all(row["bounds"].values()) for row in rows)  # every bound has its derivation
+    assert all(row["bound"] == ", ".join(row["bounds"]) for row in rows)
 
 
 def test_entry_point_engine_is_loaded_by_name(tmp_path):
