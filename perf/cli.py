@@ -242,6 +242,7 @@ def _parse_fraction(text: str) -> float:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from fp8rl.perf import gate as g
+    from fp8rl.perf.gate_render import write_outputs
     from fp8rl.perf.results import ResultError, load_result
 
     try:
@@ -256,7 +257,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         return _err(str(exc))
     code = g.exit_code(report, allow_unmatched=args.allow_unmatched)
     if args.out:
-        paths = g.write_outputs(report, args.out)
+        paths = write_outputs(report, args.out)
     if args.json:
         d = report.to_dict()
         d["exit_code"] = code
@@ -273,6 +274,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def _print_gate(report, code: int) -> None:
     from fp8rl.perf import gate as g
+    from fp8rl.perf.gate_render import _fmt
     from rich.table import Table
 
     con = _console()
@@ -284,11 +286,11 @@ def _print_gate(report, code: int) -> None:
         t.add_column(c)
     for r in report.rows:
         e = r.estimate
-        band = (f"{g._fmt(r.claim_lower, 2)}–{g._fmt(r.claim_upper, 2)}" if r.claim_upper is not None
-                else (f"≥ {g._fmt(r.claim_lower, 2)}" if r.claim_lower is not None else "–"))
+        band = (f"{_fmt(r.claim_lower, 2)}–{_fmt(r.claim_upper, 2)}" if r.claim_upper is not None
+                else (f"≥ {_fmt(r.claim_lower, 2)}" if r.claim_lower is not None else "–"))
         col = colors.get(r.verdict, "white")
-        t.add_row(Path(r.file).name, r.group, f"{r.config} / {r.baseline}", str(e.n), f"{g._fmt(e.point)}×",
-                  f"[{g._fmt(e.lo)}, {g._fmt(e.hi)}]", r.claim_id or "–", band, g._fmt(r.ceiling, 2),
+        t.add_row(Path(r.file).name, r.group, f"{r.config} / {r.baseline}", str(e.n), f"{_fmt(e.point)}×",
+                  f"[{_fmt(e.lo)}, {_fmt(e.hi)}]", r.claim_id or "–", band, _fmt(r.ceiling, 2),
                   f"[{col}]{r.verdict}[/{col}]")
     con.print(t)
     for r in report.rows:

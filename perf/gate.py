@@ -3,7 +3,8 @@
 For every result file, group and candidate config the gate pairs the candidate's runs with the baseline config's
 runs of the same repeat index (they ran back to back), takes the per-pair log speedup ``log(cand/base)``, and
 reports the geometric-mean speedup with a bootstrap confidence interval (``scipy.stats.bootstrap``, BCa by
-default, fixed seed, so the same file always gives the same verdict).
+default, fixed seed, so the same file always gives the same verdict; the statistics are in ``fp8rl.perf.stats``,
+the markdown table, plot and output files in ``fp8rl.perf.gate_render``).
 
 Verdicts of a speedup row:
 
@@ -26,24 +27,22 @@ Exit codes: 0 every gated row passed; 1 a FAIL, INSUFFICIENT or REGRESSED row; 3
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
-import warnings
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from fp8rl.perf.results import ResultError
+from fp8rl.perf.stats import Estimate, paired_speedup, unpaired_ratio
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_SUSPECT = 0, 1, 2, 3
 DEFAULT_MIN_PAIRS = 3
 _REL_EPS = 1e-9  # a CI end equal to a bound (up to float noise) passes
 
-__all__ = ["Claim", "Estimate", "Row", "GateReport", "load_claims", "paired_speedup", "unpaired_ratio",
-           "gate", "exit_code", "to_markdown", "plot", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE", "EXIT_SUSPECT"]
+__all__ = ["Claim", "Row", "GateReport", "load_claims", "gate", "overall_verdict", "exit_code", "EXIT_PASS",
+           "EXIT_FAIL", "EXIT_USAGE", "EXIT_SUSPECT"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,87 +153,6 @@ def load_claims(path: str | Path | None = None) -> list[Claim]:
     if len(set(ids)) != len(ids):
         raise ResultError(f"{where}: duplicate claim ids")
     return claims
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# statistics
-
-
-@dataclass(frozen=True)
-class Estimate:
-    point: float
-    lo: float
-    hi: float
-    n: int
-    confidence: float
-    method: str
-
-
-def _bootstrap_mean_ci(samples: tuple[np.ndarray, ...], statistic, confidence: float, n_resamples: int, seed: int,
-                       method: str, paired: bool = False) -> tuple[float, float, str]:
-    from scipy import stats
-
-    flat = np.concatenate(samples)
-    if np.allclose(flat, flat[0], rtol=0, atol=1e-15) and len(samples) == 1:
-        return float(flat[0]), float(flat[0]), "degenerate"
-    methods = [method] + (["percentile"] if method.lower() != "percentile" else [])
-    for m in methods:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                res = stats.bootstrap(samples, statistic, confidence_level=confidence, n_resamples=n_resamples,
-                                      method=m, paired=paired, vectorized=True,
-                                      random_state=np.random.default_rng(seed))
-            except (ValueError, FloatingPointError):
-                continue
-        lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
-        if math.isfinite(lo) and math.isfinite(hi):
-            return lo, hi, m
-    return float("nan"), float("nan"), "failed"
-
-
-def paired_speedup(base: list[float] | np.ndarray, cand: list[float] | np.ndarray, confidence: float = 0.95,
-                   n_resamples: int = 9999, seed: int = 0, method: str = "BCa") -> Estimate:
-    """Geometric-mean speedup cand/base over pairs, with a bootstrap CI (resampling pairs)."""
-    b = np.asarray(base, dtype=np.float64)
-    c = np.asarray(cand, dtype=np.float64)
-    if b.shape != c.shape or b.ndim != 1:
-        raise ValueError("paired_speedup: base and cand must be 1-D and the same length")
-    if np.any(b <= 0) or np.any(c <= 0):
-        raise ValueError("paired_speedup: throughputs must be positive")
-    n = len(b)
-    if n == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0, confidence, "none")
-    d = np.log(c) - np.log(b)
-    point = float(np.exp(d.mean()))
-    if n < 2:
-        return Estimate(point, float("nan"), float("nan"), n, confidence, "none")
-    lo, hi, m = _bootstrap_mean_ci((d,), lambda x, axis=-1: np.mean(x, axis=axis), confidence, n_resamples, seed,
-                                   method)
-    return Estimate(point, math.exp(lo) if math.isfinite(lo) else lo, math.exp(hi) if math.isfinite(hi) else hi, n,
-                    confidence, m)
-
-
-def unpaired_ratio(base: list[float] | np.ndarray, cand: list[float] | np.ndarray, confidence: float = 0.95,
-                   n_resamples: int = 9999, seed: int = 0, method: str = "BCa") -> Estimate:
-    """Ratio of geometric means cand/base of two independent samples, with a bootstrap CI."""
-    lb = np.log(np.asarray(base, dtype=np.float64))
-    lc = np.log(np.asarray(cand, dtype=np.float64))
-    if len(lb) == 0 or len(lc) == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"), 0, confidence, "none")
-    point = float(np.exp(lc.mean() - lb.mean()))
-    n = min(len(lb), len(lc))
-    if n < 2:
-        return Estimate(point, float("nan"), float("nan"), n, confidence, "none")
-    if np.ptp(lb) == 0 and np.ptp(lc) == 0:
-        return Estimate(point, point, point, n, confidence, "degenerate")
-
-    def stat(x, y, axis=-1):
-        return np.mean(y, axis=axis) - np.mean(x, axis=axis)
-
-    lo, hi, m = _bootstrap_mean_ci((lb, lc), stat, confidence, n_resamples, seed, method)
-    return Estimate(point, math.exp(lo) if math.isfinite(lo) else lo, math.exp(hi) if math.isfinite(hi) else hi, n,
-                    confidence, m)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -486,93 +404,3 @@ def exit_code(report: GateReport, allow_unmatched: bool = False) -> int:
     v = overall_verdict(report)
     return {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "SUSPECT": EXIT_SUSPECT,
             "NOTHING-GATED": EXIT_PASS if allow_unmatched else EXIT_USAGE}[v]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rendering
-
-
-def _fmt(x: float | None, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:.{nd}f}"
-
-
-def to_markdown(report: GateReport) -> str:
-    pct = f"{report.confidence:.0%}"
-    lines = [f"**perf gate: {overall_verdict(report)}** (exit {exit_code(report)}; {pct} bootstrap CIs)", "",
-             f"| file | model | engine | hardware | group | comparison | n | ratio | {pct} CI | claim | band | "
-             "ceiling | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report.rows:
-        e = r.estimate
-        band = (f"{_fmt(r.claim_lower, 2)}–{_fmt(r.claim_upper, 2)}" if r.claim_upper is not None
-                else (f"≥ {_fmt(r.claim_lower, 2)}" if r.claim_lower is not None else "–"))
-        comp = f"{r.config} / {r.baseline}"
-        lines.append(f"| {Path(r.file).name} | {r.model} | {r.engine} | {r.hardware} | {r.group} | {comp} | {e.n} | "
-                     f"{_fmt(e.point)}× | [{_fmt(e.lo)}, {_fmt(e.hi)}] | {r.claim_id or '–'} | {band} | "
-                     f"{_fmt(r.ceiling, 2)} | **{r.verdict}** |")
-    reasons = [f"- `{r.claim_id or r.config}` ({Path(r.file).name}, {r.group}): {r.reason}" for r in report.rows
-               if r.reason]
-    if reasons:
-        lines += ["", "Reasons:", *reasons]
-    if report.notes:
-        lines += ["", "Notes:", *[f"- {n}" for n in report.notes]]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: GateReport, path: str | Path) -> Path | None:
-    """Speedup with CI bars vs the claim band (shaded) vs the model ceiling (red tick), one column per row."""
-    rows = [r for r in report.rows if r.kind == "speedup" and math.isfinite(r.estimate.point)]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(rows) + 2), 4.2))
-    colors = {"PASS": "tab:green", "FAIL": "tab:red", "SUSPECT": "tab:orange", "INSUFFICIENT": "tab:red",
-              "INFO": "tab:blue", "NO-CLAIM": "tab:gray"}
-    for i, r in enumerate(rows):
-        e = r.estimate
-        if r.claim_lower is not None:
-            top = r.claim_upper if r.claim_upper is not None else r.claim_lower
-            ax.add_patch(plt.Rectangle((i - 0.35, r.claim_lower), 0.7, max(top - r.claim_lower, 0.004),
-                                       color="tab:green", alpha=0.18, lw=0,
-                                       label="claim band" if i == 0 else None))
-        if r.ceiling is not None:
-            ax.plot([i - 0.35, i + 0.35], [r.ceiling, r.ceiling], color="tab:red", ls="--", lw=1.5,
-                    label="model ceiling" if i == 0 else None)
-        yerr = None
-        if math.isfinite(e.lo) and math.isfinite(e.hi):
-            yerr = [[e.point - e.lo], [e.hi - e.point]]
-        ax.errorbar([i], [e.point], yerr=yerr, fmt="o", color=colors.get(r.verdict, "k"), capsize=5)
-        ax.annotate(r.verdict, (i, e.point), textcoords="offset points", xytext=(8, 0), fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r.claim_id or r.model}\n{r.config}/{r.baseline}\n{Path(r.file).name}:{r.group}"
-                        for r in rows], fontsize=6)
-    ax.set_ylabel("speedup (× baseline throughput)")
-    ax.set_title(f"FP8 speedup, {report.confidence:.0%} bootstrap CI")
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
-
-
-def write_outputs(report: GateReport, out_dir: str | Path) -> dict[str, Path]:
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    paths = {"json": d / "gate.json", "markdown": d / "gate.md"}
-    paths["json"].write_text(json.dumps(report.to_dict(), indent=2, default=float) + "\n")
-    paths["markdown"].write_text(to_markdown(report))
-    png = plot(report, d / "gate.png")
-    if png is not None:
-        paths["plot"] = png
-    return paths

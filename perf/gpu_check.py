@@ -272,13 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                           iters=args.iters, warmup=args.warmup, seed=args.seed, hardware_name=args.hardware)
     summary["gemm"] = details
     from fp8rl.perf import gate as g
+    from fp8rl.perf.gate_render import to_markdown, write_outputs
     from fp8rl.perf.results import load_result
 
     report = g.gate([(str(out / "gemm.json"), load_result(out / "gemm.json"))], g.load_claims())
-    g.write_outputs(report, out / "gate")
+    write_outputs(report, out / "gate")
     code = g.exit_code(report, allow_unmatched=True)
     summary["gate"] = {"verdict": g.overall_verdict(report), "exit_code": code}
-    print(g.to_markdown(report))
+    print(to_markdown(report))
     failed |= code == g.EXIT_FAIL
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"gpu_check: wrote {out}/gemm.json, gpu_check.json, gate/ ({'FAILED' if failed else 'ok'})")

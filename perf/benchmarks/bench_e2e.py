@@ -41,8 +41,8 @@ class TinyRolloutThroughput(Benchmark):
         self.engine = _engine(["bf16", recipe])
 
     def track_throughput_ratio(self, model, recipe):
-        from fp8rl.perf.gate import paired_speedup
         from fp8rl.perf.harness import run_benchmark
+        from fp8rl.perf.stats import paired_speedup
 
         res = run_benchmark(self.engine, model=model, configs=["bf16", recipe], batch=4, prompt_len=32, gen_len=32,
                             repeats=5, warmup=1)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 from fp8rl.perf import gate as g
+from fp8rl.perf import gate_render, stats
 from fp8rl.perf import model as pm
 from fp8rl.perf.results import new_result, validate
 
@@ -56,20 +57,20 @@ def rows_for(report, claim_id):
 def test_paired_speedup_point_is_geometric_mean_and_deterministic():
     base = [100.0, 200.0, 400.0, 800.0]
     cand = [110.0, 230.0, 420.0, 880.0]
-    e1 = g.paired_speedup(base, cand, seed=3)
-    e2 = g.paired_speedup(base, cand, seed=3)
+    e1 = stats.paired_speedup(base, cand, seed=3)
+    e2 = stats.paired_speedup(base, cand, seed=3)
     assert e1 == e2
     assert e1.point == pytest.approx(math.exp(np.mean(np.log(np.array(cand) / np.array(base)))))
     assert e1.lo <= e1.point <= e1.hi
     with pytest.raises(ValueError):
-        g.paired_speedup([1.0, 2.0], [1.0])
+        stats.paired_speedup([1.0, 2.0], [1.0])
     with pytest.raises(ValueError):
-        g.paired_speedup([0.0], [1.0])
+        stats.paired_speedup([0.0], [1.0])
 
 
 def test_bootstrap_ci_covers_more_with_more_noise():
-    tight = g.paired_speedup([1000.0] * 8, [1150 * math.exp(d) for d in np.linspace(-0.005, 0.005, 8)])
-    loose = g.paired_speedup([1000.0] * 8, [1150 * math.exp(d) for d in np.linspace(-0.08, 0.08, 8)])
+    tight = stats.paired_speedup([1000.0] * 8, [1150 * math.exp(d) for d in np.linspace(-0.005, 0.005, 8)])
+    loose = stats.paired_speedup([1000.0] * 8, [1150 * math.exp(d) for d in np.linspace(-0.08, 0.08, 8)])
     assert (tight.hi - tight.lo) < (loose.hi - loose.lo)
     assert tight.lo > 1.14 and loose.lo < 1.12
 
@@ -80,7 +81,7 @@ def test_pairing_cancels_common_drift():
     res = synthetic([math.log(1.2)] * 10, base_noise=drift)
     e = run_gate([], res).rows[0].estimate
     assert e.point == pytest.approx(1.2) and e.lo == pytest.approx(1.2) and e.hi == pytest.approx(1.2)
-    un = g.unpaired_ratio([r["throughput"] for r in res["runs"][0::2]], [r["throughput"] for r in res["runs"][1::2]])
+    un = stats.unpaired_ratio([r["throughput"] for r in res["runs"][0::2]], [r["throughput"] for r in res["runs"][1::2]])
     assert un.hi - un.lo > 0.2  # without pairing the drift swamps the CI
 
 
@@ -268,9 +269,9 @@ def test_bad_claims_files(tmp_path):
 
 def test_markdown_json_and_plot(claims, tmp_path):
     rep = run_gate(claims, synthetic([math.log(1.15)] * 5), synthetic([math.log(3.0)] * 5, config="fp8-kv"))
-    md = g.to_markdown(rep)
+    md = gate_render.to_markdown(rep)
     assert "| file | model |" in md and "**PASS**" in md and "**SUSPECT**" in md
-    paths = g.write_outputs(rep, tmp_path / "gate")
+    paths = gate_render.write_outputs(rep, tmp_path / "gate")
     assert paths["plot"].stat().st_size > 1000
     d = rep.to_dict()
     assert d["verdict"] == "SUSPECT" and d["exit_code"] == g.EXIT_SUSPECT

@@ -84,7 +84,7 @@ def test_perf_model_estimate_all(benchmark):
 
 
 def test_paired_bootstrap_ci_n10(benchmark):
-    from fp8rl.perf.gate import paired_speedup
+    from fp8rl.perf.stats import paired_speedup
 
     base = [1000.0 + i for i in range(10)]
     cand = [1150.0 + 3 * (-1) ** i for i in range(10)]
