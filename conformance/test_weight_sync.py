@@ -19,7 +19,8 @@ from fp8rl import fixtures, tolerances
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
 from fp8rl.engine import EngineError
 from fp8rl.reference import weight_sync as ws
-from fp8rl.reference.quant import Granularity, ScalePolicy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.quant import Granularity
 
 MODELS = pytest.mark.parametrize("model", fixtures.TINY_MODELS)
 

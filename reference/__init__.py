@@ -21,15 +21,14 @@ from fp8rl.reference.formats import (
     ulp_distance,
 )
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import PRESETS, get_policy
 from fp8rl.reference.quant import (
-    PRESETS,
     Granularity,
     QuantizedTensor,
-    ScalePolicy,
     compute_amax,
     dequantize,
     expand_scale,
-    get_policy,
     quant_multiplier_from_amax,
     quantize,
     quantize_with_scale,

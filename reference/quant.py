@@ -2,11 +2,13 @@
 
 A quantized tensor is ``codes`` (uint8, the FP8 bit patterns) plus ``scale``, the fp32 **dequant** multiplier:
 x ≈ decode(code) · scale. The scale is computed per tensor, token (row), output channel, 1×G group or Bm×Bn block
-(:class:`Granularity`) from the group's amax by a :class:`ScalePolicy`, which names every numerical choice engines
-make differently (engines.md §2–§7): the maximum the group is mapped to, where a floor (eps) applies, power-of-two
-rounding of the scale, how the scale and the quantized value are computed in fp32 (division, multiplication by a
-reciprocal, or by a separately computed multiplier), the clamp before the cast, what a zero amax gives, and the cast's
-overflow policy. :data:`PRESETS` holds the policies of the engines we test, each citing its source.
+(:class:`Granularity`) from the group's amax by a :class:`~fp8rl.reference.policy.ScalePolicy`
+(:mod:`fp8rl.reference.policy`), which names every numerical choice engines make differently (engines.md §2–§7): the
+maximum the group is mapped to, where a floor (eps) applies, power-of-two rounding of the scale, how the scale and the
+quantized value are computed in fp32 (division, multiplication by a reciprocal, or by a separately computed
+multiplier), the clamp before the cast, what a zero amax gives, and the cast's overflow policy.
+:data:`~fp8rl.reference.presets.PRESETS` (:mod:`fp8rl.reference.presets`) holds the policies of the engines we test,
+each citing its source. ``ScalePolicy``, ``PRESETS`` and ``get_policy`` are re-exported here.
 
 All scale arithmetic is fp32 with IEEE round-to-nearest (torch CPU fp32 ops: division, multiplication and the
 reciprocal are correctly rounded), exactly like the engines' kernels; the FP8 cast is the bit-level encoder of
@@ -29,21 +31,26 @@ Pipeline (every formula is fp32, ``T`` = target max, ``fl`` = fp32 rounding):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import (
-    ELEMENT_FORMATS,
-    OVERFLOW_POLICIES,
-    FP8Format,
+from fp8rl.reference.formats import decode, encode_codes
+from fp8rl.reference.policy import (
+    FLOOR_MODES,
+    POW2_MODES,
+    QUANT_OPS,
+    SCALE_OPS,
+    ZERO_AMAX_MODES,
     OverflowPolicy,
-    decode,
-    encode_codes,
-    get_format,
+    ScalePolicy,
+    check_choice,
 )
+from fp8rl.reference.presets import PRESETS, get_policy
 
+# ScalePolicy, its mode tuples, PRESETS and get_policy live in fp8rl.reference.policy and fp8rl.reference.presets;
+# they are re-exported here for engines that import them from fp8rl.reference.quant.
 __all__ = [
     "ACCEPTED_INPUT_DTYPES", "FLOOR_MODES", "GRANULARITY_KINDS", "Granularity", "OverflowPolicy", "POW2_MODES",
     "PRESETS", "QUANT_OPS", "QuantizedTensor", "SCALE_OPS", "ScalePolicy", "ZERO_AMAX_MODES", "compute_amax",
@@ -51,246 +58,12 @@ __all__ = [
     "round_scale_pow2", "scale_from_amax",
 ]
 
-FLOOR_MODES: tuple[str, ...] = ("none", "amax", "scale")
-POW2_MODES: tuple[str, ...] = ("none", "ceil_log2", "ceil_bits", "floor_multiplier")
-SCALE_OPS: tuple[str, ...] = ("div", "mul_recip_max", "recip_multiplier")
-QUANT_OPS: tuple[str, ...] = ("div", "mul_recip", "mul_max_over_amax")
-ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "nan")
 GRANULARITY_KINDS: tuple[str, ...] = ("tensor", "token", "channel", "group", "block")
 #: input dtypes quantize() accepts; all are upcast to fp32 exactly
 ACCEPTED_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 _F32 = torch.float32
 _FLT_MAX = float(np.finfo(np.float32).max)
-
-
-def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Scale policy
-
-
-@dataclass(frozen=True)
-class ScalePolicy:
-    """Every numerical choice of a dynamic scaled-FP8 quantizer (see the module docstring for the pipeline).
-
-    Fields:
-
-    * ``fmt``: element format (an entry of ``ELEMENT_FORMATS``).
-    * ``target_max`` T: the value the group's amax is mapped to; None → the format's max finite (448 for e4m3fn).
-      ROCm fnuz engines use 224. Must satisfy 0 < T ≤ max finite.
-    * ``floor``: where ``eps`` applies: ``"amax"`` (amax' = max(amax, eps)), ``"scale"`` (s = max(s, eps), before
-      pow2 rounding) or ``"none"``. ``eps`` is rounded to fp32 first, as engines pass it as a C float.
-    * ``pow2``: ``"none"``; ``"ceil_log2"`` s = 2^ceil(fl(log2 s)) with torch's fp32 log2 (vLLM torch/Triton/CUDA
-      ``exp2(ceil(log2 s))``: for s a few fp32 ulps above a power of two, fl(log2 s) rounds to the integer, so the
-      scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; engines.md §7);
-      ``"ceil_bits"`` s = 2^(e + (mantissa ≠ 0)) on the fp32 bits with the biased exponent clamped to [1, 254]
-      (DeepGEMM ``ceil_to_ue8m0``, SGLang UE8M0); ``"floor_multiplier"`` TE: the multiplier m = fl(T/amax') has its
-      mantissa bits zeroed (rounded down to a power of two) and s = 1/m (needs ``scale_op="recip_multiplier"``).
-    * ``scale_op``: ``"div"`` s = fl(amax'/T); ``"mul_recip_max"`` s = fl(amax'·fl(1/T)) (1 fp32 ulp from "div" in
-      ~49 % of groups, engines.md §7); ``"recip_multiplier"`` m = fl(T/amax'), s = fl(1/m) (verl torch, torchao,
-      TE). A multiplier that overflows fp32 (amax' < T/FLT_MAX ≈ 1.3e-36) is replaced by FLT_MAX (TE's rule).
-    * ``quant_op``: ``"div"`` q = fl(x/s); ``"mul_recip"`` q = fl(x·fl(1/s)); ``"mul_max_over_amax"`` q = fl(x·m)
-      with m = fl(T/amax') computed from the amax (SGLang JIT, TE, torchao, verl torch); for pow2 policies m = 1/s
-      exactly.
-    * ``clamp``: clamp q to ±T before the cast (NaN stays NaN).
-    * ``zero_amax``: what a zero amax gives: ``"floor"`` the floor rule (needs ``floor != "none"`` and eps > 0);
-      ``"one"`` scale 1 and multiplier 1 when amax' is 0, ±inf or NaN (TE ``compute_scale_from_amax``; verl torch
-      does it for 0 and inf only); ``"nan"`` unguarded: s = 0 and 0/0 → NaN codes (DeepSeek reference kernel,
-      vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted to store +448 instead, engines.md §2.1).
-    * ``overflow``: the cast's overflow policy for values that still overflow (no clamp, or ±inf with clamp off).
-    """
-
-    name: str
-    fmt: str = "e4m3fn"
-    target_max: float | None = None
-    floor: Literal["none", "amax", "scale"] = "amax"
-    eps: float = 1e-10
-    pow2: Literal["none", "ceil_log2", "ceil_bits", "floor_multiplier"] = "none"
-    scale_op: Literal["div", "mul_recip_max", "recip_multiplier"] = "div"
-    quant_op: Literal["div", "mul_recip", "mul_max_over_amax"] = "div"
-    clamp: bool = True
-    zero_amax: Literal["floor", "one", "nan"] = "floor"
-    overflow: OverflowPolicy = "saturate"
-    description: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
-        if self.fmt not in ELEMENT_FORMATS:
-            raise ValueError(f"fmt: expected one of {ELEMENT_FORMATS}, got {self.fmt!r}")
-        f = get_format(self.fmt)
-        if self.target_max is not None:
-            t = self.target_max
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-                raise ValueError(f"target_max: expected a positive finite number or None, got {t!r}")
-            if t > f.max_finite:
-                raise ValueError(f"target_max: {t} exceeds the max finite value {f.max_finite} of {self.fmt}")
-        _check_choice("floor", self.floor, FLOOR_MODES)
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (self.eps >= 0):
-            raise ValueError(f"eps: expected a number >= 0, got {self.eps!r}")
-        if not math.isfinite(self.eps):
-            raise ValueError(f"eps: expected a finite number, got {self.eps!r}")
-        _check_choice("pow2", self.pow2, POW2_MODES)
-        _check_choice("scale_op", self.scale_op, SCALE_OPS)
-        _check_choice("quant_op", self.quant_op, QUANT_OPS)
-        if not isinstance(self.clamp, bool):
-            raise ValueError(f"clamp: expected a bool, got {self.clamp!r}")
-        _check_choice("zero_amax", self.zero_amax, ZERO_AMAX_MODES)
-        _check_choice("overflow", self.overflow, OVERFLOW_POLICIES)
-        if self.overflow not in f.allowed_overflow():
-            raise ValueError(f"overflow: {self.fmt} allows {f.allowed_overflow()}, got {self.overflow!r}")
-        if self.zero_amax == "floor" and (self.floor == "none" or self.eps == 0):
-            raise ValueError("zero_amax: 'floor' needs a floor (floor != 'none' and eps > 0); use zero_amax='one' "
-                             f"or 'nan' to say what a zero amax gives (floor={self.floor!r}, eps={self.eps!r})")
-        if self.pow2 == "floor_multiplier" and self.scale_op != "recip_multiplier":
-            raise ValueError("pow2: 'floor_multiplier' rounds the multiplier T/amax, so it needs "
-                             f"scale_op='recip_multiplier', got scale_op={self.scale_op!r}")
-
-    @property
-    def format(self) -> FP8Format:
-        return get_format(self.fmt)
-
-    @property
-    def max_value(self) -> float:
-        """T: ``target_max`` or the format's max finite value."""
-        return float(self.target_max) if self.target_max is not None else self.format.max_finite
-
-    def for_format(self, fmt: str) -> ScalePolicy:
-        """The same policy for another element format (``target_max`` is kept only if the format is unchanged;
-        an overflow policy the new format lacks falls back to ``"saturate"``)."""
-        f = get_format(fmt)
-        if f.name == self.fmt:
-            return self
-        overflow = self.overflow if self.overflow in f.allowed_overflow() else "saturate"
-        return replace(self, fmt=f.name, target_max=None, overflow=overflow)
-
-
-def _p(name: str, description: str, **kw) -> ScalePolicy:
-    return ScalePolicy(name=name, description=description, **kw)
-
-
-_VLLM_MIN_SCALE = 1.0 / (448.0 * 512.0)
-
-PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
-    _p("reference", "fp8rl's default: amax floor 1e-10, s = amax/T, q = x/s, clamp, RNE-saturate (the CUDA "
-       "per_token_group_quant_fp8 formula, engines.md §2.2)",
-       floor="amax", eps=1e-10),
-    _p("vllm_cuda_group", "vLLM per_token_group_quant_fp8 CUDA kernel (csrc/quantization/w8a8/fp8/"
-       "per_token_group_quant.cu): s = max(amax,1e-10)/448, q = clamp(x/s), SATFINITE (engines.md §2.2, §6)",
-       floor="amax", eps=1e-10),
-    _p("vllm_triton_group", "vLLM per_token_group_quant_fp8 Triton fallback (model_executor/layers/quantization/"
-       "utils/fp8_utils.py): s = max(amax,1e-10)·(1/448), q = clamp(x/s) (engines.md §2.2, §7)",
-       floor="amax", eps=1e-10, scale_op="mul_recip_max"),
-    _p("vllm_native", "vLLM QuantFP8.forward_native per-tensor/per-token path (layers/quantization/"
-       "input_quant_fp8.py): s = max(amax/448, 1/(448·512)), q = clamp(x·(1/s)) (engines.md §2.1); the native *group* "
-       "path divides instead, see 'vllm_native_group'",
-       floor="scale", eps=_VLLM_MIN_SCALE, quant_op="mul_recip"),
-    _p("vllm_native_group", "vLLM QuantFP8._quantize_group_native (input_quant_fp8.py): s = max(amax/448, "
-       "1/(448·512)), q = clamp(x/s) (engines.md §2.2 'Inconsistency to test'). With use_ue8m0 vLLM rounds to a "
-       "power of two *before* this clamp, so tiny groups get the non-power-of-two scale 1/(448·512); that order is "
-       "not representable here (floors apply before pow2)",
-       floor="scale", eps=_VLLM_MIN_SCALE),
-    _p("vllm_per_token", "vLLM scaled_fp8_quant dynamic per-token CUDA (csrc/quantization/w8a8/fp8/common.cu): "
-       "s = max(amax/448, 1/(448·512)), q = clamp(x/s) (engines.md §2.1, §6)",
-       floor="scale", eps=_VLLM_MIN_SCALE),
-    _p("vllm_per_tensor_cuda", "vLLM scaled_fp8_quant dynamic per-tensor CUDA: s = amax/448 with no eps, "
-       "q = clamp(x·(1/s)); an all-zero tensor gives s = 0 and NaN here (the kernel's fminf(NaN,448) is predicted "
-       "to store +448, not verified on GPU) (engines.md §2.1)",
-       floor="none", eps=0.0, zero_amax="nan", quant_op="mul_recip"),
-    _p("vllm_ue8m0_group", "vLLM per_token_group_quant_fp8 with UE8M0 (CUDA kernel): s = 2^ceil(log2(max(amax/448, "
-       "1e-10))) via exp2f/ceilf/log2f, q = clamp(x/s) (engines.md §2.2, §7). The Triton fallback applies no "
-       "1e-10 scale floor (s ≥ 2^-42 instead of 2^-33 for all-zero groups)",
-       floor="scale", eps=1e-10, pow2="ceil_log2"),
-    _p("vllm_triton_ue8m0_group", "vLLM per_token_group_quant_fp8 Triton fallback with use_ue8m0=True (model_executor/"
-       "layers/quantization/utils/fp8_utils.py): s = exp2(ceil(log2(max(amax,1e-10)·fl(1/448)))), q = clamp(x/s); "
-       "unlike the CUDA kernel (vllm_ue8m0_group) no 1e-10 scale floor: an all-zero group gets 2^-42, not 2^-33 "
-       "(engines.md §2.2, §7)",
-       floor="amax", eps=1e-10, scale_op="mul_recip_max", pow2="ceil_log2"),
-    _p("deepgemm_block", "DeepGEMM/vLLM per_block_cast_to_fp8 (vllm/utils/deep_gemm.py, third_party/deep_gemm/"
-       "utils/math.py): s = max(amax,1e-4)/448, q = (x·(1/s)).to(fp8) with no clamp (saturating torch cast) "
-       "(engines.md §2.3)",
-       floor="amax", eps=1e-4, quant_op="mul_recip", clamp=False),
-    _p("deepgemm_ue8m0", "DeepGEMM per_block/per_token_cast_to_fp8 with use_ue8m0: s = ceil_to_ue8m0(max(amax,1e-4)"
-       "/448) on the fp32 bits (exponent + (mantissa≠0), clamped to [1,254]), q = (x·(1/s)).to(fp8), no clamp "
-       "(engines.md §2.3, §7). SGLang's copy (srt/layers/quantization/fp8_utils.py per_block_cast_to_fp8, "
-       "always UE8M0, used by quant_weight_ue8m0) has the same numerics",
-       floor="amax", eps=1e-4, pow2="ceil_bits", quant_op="mul_recip", clamp=False),
-    _p("verl_triton", "verl _blockwise_cast_to_fp8_kernel (verl/utils/kernel/fp8_kernel.py, default path): "
-       "s = max(amax,1e-10)/448, q = clamp(x·(1/s)) (paper.md §1.2)",
-       floor="amax", eps=1e-10, quant_op="mul_recip"),
-    _p("verl_torch", "verl _scaled_fp8_blockwise_pytorch (VERL_DISABLE_TRITON_FP8=1): m = 448/amax, m = 1 when "
-       "amax is 0 or inf, s = 1/m, q = clamp(x·m) (paper.md §1.2). verl keeps a NaN amax as NaN (here: scale 1)",
-       floor="none", eps=0.0, zero_amax="one", scale_op="recip_multiplier", quant_op="mul_max_over_amax"),
-    _p("te_blockwise_pow2", "TransformerEngine Float8BlockQuantizer (common/recipe/recipe_common.cuh "
-       "compute_scale_from_amax): amax_epsilon 0, m = 448/amax (0/inf/NaN amax → 1, inf m → FLT_MAX), mantissa "
-       "of m zeroed, scale_inv = 1/m, q = x·m, SATFINITE (engines.md §4.1)",
-       floor="amax", eps=0.0, zero_amax="one", pow2="floor_multiplier", scale_op="recip_multiplier",
-       quant_op="mul_max_over_amax"),
-    _p("sglang_group", "SGLang sglang_per_token_group_quant_fp8 JIT kernel (kernels/jit/csrc/gemm/"
-       "per_token_group_quant.cuh, CUDA only; source re-read for 0.5.23: amax = max(amax, 1e-10f), raw_scale = "
-       "amax * kMaxValueInv, quant_scale = kMaxValue / amax): amax' = max(amax,1e-10), stored s = amax'·(1/448), "
-       "q = x·(448/amax') (engines.md §3.1)",
-       floor="amax", eps=1e-10, scale_op="mul_recip_max", quant_op="mul_max_over_amax"),
-    _p("sglang_triton_group", "SGLang Triton 1x128 group quant with row-major scales, the per_token_group_quant_fp8 "
-       "of every non-CUDA platform (sglang/kernels/ops/quantization/fp8_kernel.py _per_token_group_quant_8bit, "
-       "0.5.23; also SGLang's per-token activation and per-channel weight quant there, group = K): amax' = "
-       "max(amax,1e-10), s = amax'/448, q = clamp(x·(1/s)) (measured under TRITON_INTERPRET=1 with the "
-       "faithful-downcast workaround; engines.md §3.1, shared/notes/triton-cpu.md)",
-       floor="amax", eps=1e-10, quant_op="mul_recip"),
-    _p("sglang_triton_group_colmajor", "SGLang Triton 1x128 group quant with column-major scales "
-       "(fp8_kernel.py _per_token_group_quant_8bit_colmajor, column_major_scales=True): amax' = max(amax,1e-10), "
-       "s = amax'/448, q = clamp(x/s) — true division, unlike the row-major kernel (engines.md §3.1)",
-       floor="amax", eps=1e-10),
-    _p("sglang_triton_group_ue8m0", "SGLang Triton column-major group quant with SCALE_UE8M0 "
-       "(_per_token_group_quant_8bit_colmajor): s = exp2(ceil(log2(max(amax,1e-10)/448))), q = clamp(x/s). The "
-       "interpreter's log2 is numpy's fp32 log2 (as torch's here); a GPU's approximate lg2 may round differently "
-       "a few ulps above a power of two (engines.md §3.1, §7)",
-       floor="amax", eps=1e-10, pow2="ceil_log2"),
-    _p("sglang_static", "SGLang static_quant_fp8 Triton kernel (fp8_kernel.py _static_quant_fp8) and the static "
-       "per-tensor MLA stage 2: the scale is given (static); q = clamp(x·(1/s)). Only quant_op/clamp apply (use "
-       "with quantize_with_scale); the amax fields repeat the group defaults (engines.md §3.1)",
-       floor="amax", eps=1e-10, quant_op="mul_recip"),
-    _p("sglang_mla_tensor", "SGLang per_tensor_quant_mla_fp8 (fp8_kernel.py _per_tensor_quant_mla_fp8_stage1/2): "
-       "per-row amax' = max(amax,1e-12), s = atomic max of amax'/448 (= max(amax,1e-12)/448), "
-       "q = clamp(x·(1/s)) (engines.md §3.1)",
-       floor="amax", eps=1e-12, quant_op="mul_recip"),
-    _p("sglang_native", "SGLang ROCm torch fallbacks _native_dynamic_per_token_quant_fp8 / "
-       "_native_dynamic_per_tensor_quant_fp8 (fp8_kernel.py, defined only under `if _is_hip:`): amax' = "
-       "max(amax,1e-12), s = amax'/fp8_max, q = clamp(x/s), in the *input* dtype (bf16 in → bf16 arithmetic; this "
-       "preset is the fp32-input case). fp8_max is 224 with e4m3fnuz on gfx94x, 448 with e4m3fn elsewhere (engines.md §3.1)",
-       floor="amax", eps=1e-12),
-    _p("sglang_fp8_quantize", "SGLang fp8_quantize Triton kernel (kernels/ops/quantization/fp8_quantize.py): "
-       "q = (fl32(x)·scale_inv).to(fp8) with the caller's scale_inv = 1/s, no clamp: the conversion saturates "
-       "(Triton's satfinite fp32→fp8 on NVIDIA); bf16/fp16 input only (engines.md §3.1)",
-       floor="amax", eps=1e-10, quant_op="mul_recip", clamp=False),
-    _p("torchao", "torchao blockwise training quant (torchao/prototype/blockwise_fp8_training/kernels.py): "
-       "m = fl32(448/max(amax,1e-12)) (fp64 then fp32, identical to fp32 division), q = clamp(x·m), s = 1/m "
-       "(engines.md §5)",
-       floor="amax", eps=1e-12, scale_op="recip_multiplier", quant_op="mul_max_over_amax"),
-    _p("deepseek_ref", "DeepSeek-V3 reference act_quant / torchao fp8_blockwise_act_quant (torchao/prototype/"
-       "blockwise_fp8_inference/kernels.py): s = amax/448 with no eps (zero block → NaN), q = x/s, no clamp "
-       "(engines.md §5)",
-       floor="none", eps=0.0, zero_amax="nan", clamp=False),
-    _p("rocm_fnuz", "vLLM/SGLang dynamic group quant on ROCm gfx94x: e4m3fnuz clamped at 224 (not 240), "
-       "s = max(amax,1e-10)/224, q = clamp(x/s) (engines.md §1, §2.1)",
-       fmt="e4m3fnuz", target_max=224.0, floor="amax", eps=1e-10),
-)}
-
-
-def get_policy(name_or_policy: str | ScalePolicy) -> ScalePolicy:
-    """A preset by name (or the policy itself); ValueError lists the presets."""
-    if isinstance(name_or_policy, ScalePolicy):
-        return name_or_policy
-    if not isinstance(name_or_policy, str):
-        raise TypeError(f"policy: expected a preset name or a ScalePolicy, got {type(name_or_policy).__name__}")
-    try:
-        return PRESETS[name_or_policy]
-    except KeyError:
-        raise ValueError(f"policy: unknown preset {name_or_policy!r}; expected one of {sorted(PRESETS)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,7 +98,7 @@ class Granularity:
     size: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
-        _check_choice("granularity", self.kind, GRANULARITY_KINDS)
+        check_choice("granularity", self.kind, GRANULARITY_KINDS)
         size = self.size
         if not isinstance(size, tuple) or len(size) != 2:
             raise ValueError(f"granularity: size must be a 2-tuple of positive integers, got {size!r}")
@@ -539,7 +312,7 @@ def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
       s = 2^(e-127). Subnormal and zero scales give 2^-126; NaN/inf are passed through.
     * ``none``: s unchanged. (``floor_multiplier`` acts on the multiplier, see :func:`scale_from_amax`.)
     """
-    _check_choice("pow2", mode, POW2_MODES)
+    check_choice("pow2", mode, POW2_MODES)
     s = s.to(_F32)
     if mode == "none":
         return s

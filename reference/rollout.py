@@ -50,12 +50,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import (
     Granularity,
-    ScalePolicy,
     compute_amax,
     expand_scale,
-    get_policy,
     quant_multiplier_from_amax,
     quantize,
     quantize_with_scale,

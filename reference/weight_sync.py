@@ -14,8 +14,8 @@ shows the largest mismatch when the router is quantized). Patterns are regular e
 ``re.search`` against the parameter name; ``exclude`` wins over ``include``.
 
 The quantizer is the oracle's :func:`fp8rl.reference.quant.quantize` with ``Granularity.block(128)`` under a
-:class:`~fp8rl.reference.quant.ScalePolicy` (verl's Triton path is the ``verl_triton`` preset, its PyTorch path
-``verl_torch``). Weights are cast to BF16 first, as verl casts to the engine dtype before quantizing.
+:class:`~fp8rl.reference.policy.ScalePolicy` (verl's Triton path is the ``verl_triton`` preset of
+:data:`fp8rl.reference.presets.PRESETS`, its PyTorch path ``verl_torch``). Weights are cast to BF16 first, as verl casts to the engine dtype before quantizing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy, quantize
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor, quantize
 
 __all__ = [
     "DEFAULT_EXCLUDE", "DEFAULT_INCLUDE", "FP8_TORCH_DTYPES", "SCALE_SUFFIX", "WeightSyncRecipe",

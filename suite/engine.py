@@ -32,7 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 CapabilityMap = dict[str, "bool | str"]
 

@@ -22,7 +22,9 @@ from functools import cache
 import numpy as np
 import torch
 from fp8rl.reference.formats import ELEMENT_FORMATS, decode_codes, get_format
-from fp8rl.reference.quant import PRESETS, Granularity, ScalePolicy, expand_scale
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import PRESETS
+from fp8rl.reference.quant import Granularity, expand_scale
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp

@@ -22,7 +22,9 @@ import torch
 from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine
 from fp8rl.reference import formats
 from fp8rl.reference.gemm import block_gemm_exact
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy, quantize
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor, quantize
 
 
 class ReferenceEngine(Engine):

@@ -97,7 +97,9 @@ from fp8rl.engine import (
     per_tensor_kv_input,
 )
 from fp8rl.engines import _triton_interp
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (f"sglang not installed: pip install -c constraints.txt -e '.[sglang]' then pip install --no-deps "

@@ -18,7 +18,9 @@ import math
 
 import torch
 from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine, Unsupported
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 _TORCH_FP8 = {
     "e4m3fn": "float8_e4m3fn",

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 from fp8rl.engine import ELEMENT_FORMATS, QUANT_KINDS, CapabilityMap, Engine, Unsupported
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 from . import _triton_interp as TI
 

@@ -296,7 +296,7 @@ class VerlEngine(Engine):
 
     def scale_policy(self, kind: str):
         """veRL's weight quantizer is blockwise only; its PyTorch path is the ``verl_torch`` preset."""
-        from fp8rl.reference.quant import get_policy
+        from fp8rl.reference.presets import get_policy
 
         if kind != "block":
             raise Unsupported(f"veRL quantizes weights 128x128 blockwise only (no {kind!r} quantizer)")
@@ -442,7 +442,7 @@ class VerlTritonEngine(Engine):
 
     def scale_policy(self, kind: str):
         """veRL's Triton path is the ``verl_triton`` preset (s = max(amax, 1e-10)/448, q = clamp(x·(1/s)))."""
-        from fp8rl.reference.quant import get_policy
+        from fp8rl.reference.presets import get_policy
 
         if kind != "block":
             raise Unsupported(f"veRL quantizes weights 128x128 blockwise only (no {kind!r} quantizer)")

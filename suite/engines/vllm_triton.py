@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine, Unsupported
-from fp8rl.reference.quant import PRESETS, Granularity, QuantizedTensor, ScalePolicy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import PRESETS
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 from . import _triton_interp as TI
 

@@ -13,7 +13,8 @@ import torch
 from fp8rl import tolerances
 from fp8rl.reference.formats import ELEMENT_FORMATS
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
-from fp8rl.reference.quant import PRESETS, Granularity, QuantizedTensor, quantize
+from fp8rl.reference.presets import PRESETS
+from fp8rl.reference.quant import Granularity, QuantizedTensor, quantize
 from fp8rl.strategies import fp32_near_fp8, tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -14,15 +14,14 @@ import pytest
 import torch
 from fp8rl import tolerances
 from fp8rl.reference.formats import ELEMENT_FORMATS, decode_codes, get_format
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import PRESETS, get_policy
 from fp8rl.reference.quant import (
-    PRESETS,
     Granularity,
     QuantizedTensor,
-    ScalePolicy,
     compute_amax,
     dequantize,
     expand_scale,
-    get_policy,
     quant_multiplier_from_amax,
     quantize,
     quantize_with_scale,

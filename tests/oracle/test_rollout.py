@@ -11,7 +11,8 @@ from fp8rl import fixtures as F
 from fp8rl.reference import rollout as R
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.gemm import block_gemm_exact
-from fp8rl.reference.quant import Granularity, get_policy, quantize, quantize_with_scale
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, quantize, quantize_with_scale
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

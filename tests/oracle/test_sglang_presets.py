@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8rl.reference.quant import PRESETS, Granularity, get_policy, quantize, quantize_with_scale
+from fp8rl.reference.presets import PRESETS, get_policy
+from fp8rl.reference.quant import Granularity, quantize, quantize_with_scale
 
 SGLANG_PRESETS = {
     # name: (floor, eps, pow2, scale_op, quant_op, clamp)

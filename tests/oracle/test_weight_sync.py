@@ -9,7 +9,8 @@ import torch
 from fp8rl import fixtures as F
 from fp8rl import tolerances
 from fp8rl.reference import weight_sync as ws
-from fp8rl.reference.quant import Granularity, get_policy, quantize
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, quantize
 
 
 @pytest.fixture(scope="module")

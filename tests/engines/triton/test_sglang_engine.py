@@ -19,7 +19,8 @@ from fp8rl.engines import _sglang_shim as shim
 from fp8rl.engines import _triton_interp
 from fp8rl.engines import sglang as S
 from fp8rl.reference.formats import encode
-from fp8rl.reference.quant import PRESETS, Granularity, get_policy, quantize, quantize_with_scale
+from fp8rl.reference.presets import PRESETS, get_policy
+from fp8rl.reference.quant import Granularity, quantize, quantize_with_scale
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)

@@ -201,7 +201,7 @@ def _weight_with_zero_block() -> torch.Tensor:
 @verl_ws_only
 @PIN
 def test_weight_sync_capability_and_declared_policy(eng):
-    from fp8rl.reference.quant import get_policy
+    from fp8rl.reference.presets import get_policy
 
     assert eng.capabilities()["weight_sync"] is True
     assert eng.scale_policy("block") == get_policy("verl_torch")

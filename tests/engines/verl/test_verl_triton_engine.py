@@ -18,7 +18,8 @@ from fp8rl.checks import CHECKS
 from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
 from fp8rl.plugin import parse_id_file
-from fp8rl.reference.quant import PRESETS, Granularity, quantize
+from fp8rl.reference.presets import PRESETS
+from fp8rl.reference.quant import Granularity, quantize
 from support import REPO_ROOT
 from support.upstream import pinned
 

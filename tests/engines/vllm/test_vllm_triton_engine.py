@@ -16,7 +16,8 @@ import pytest
 import torch
 from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
-from fp8rl.reference.quant import PRESETS, Granularity, quantize
+from fp8rl.reference.presets import PRESETS
+from fp8rl.reference.quant import Granularity, quantize
 from fp8rl.registry import BUILTINS
 from support.upstream import pinned
 
