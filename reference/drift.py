@@ -22,7 +22,10 @@ engine under test). Reported per step:
 
 The bound a schedule must hold at each step is relative to ``fresh`` — FP8 with per-step amax scales computed on
 the rollout batch itself, the best any per-tensor calibration can do: attn_err ≤ κ_attn·fresh and
-logprob_div ≤ κ_lp·fresh (tolerances ``kv_attention_vs_fresh`` and ``kv_drift_logprob_vs_fresh``).
+logprob_div ≤ κ_lp·fresh. The default factors :data:`KAPPA_ATTN_VS_FRESH` and :data:`KAPPA_LP_VS_FRESH` are the
+values of the harness's tolerances ``kv_attention_vs_fresh`` and ``kv_drift_logprob_vs_fresh`` (whose derivations
+say how they were measured); a caller may pass others to :func:`simulate`. This module imports nothing from the
+harness; tests/oracle/test_kv_drift.py checks that the two stay equal.
 The default config runs in well under a second per 10 steps on a CPU.
 """
 
@@ -38,6 +41,13 @@ from fp8rl.reference import kv as kvref
 from fp8rl.reference.formats import get_format
 
 SCHEDULES = ("never", "every-step", "every-n")
+
+#: κ_attn: a schedule's attention error may be at most κ_attn × the fresh-amax FP8 error (tolerance
+#: ``kv_attention_vs_fresh``: in-range rescaling gives ratios in [0.39, 1.49]; 2.0 = 1.49 + one third margin)
+KAPPA_ATTN_VS_FRESH = 2.0
+#: κ_lp: a schedule's log-prob divergence may be at most κ_lp × the fresh-amax divergence (tolerance
+#: ``kv_drift_logprob_vs_fresh``: every-step recalibration measured in [0.85, 1.28])
+KAPPA_LP_VS_FRESH = 2.0
 
 
 @dataclass(frozen=True)
@@ -421,7 +431,8 @@ def simulate(config: DriftConfig | None = None, *, backend: Any = None,
              kappa_lp: float | None = None) -> DriftResult:
     """Run the simulator. ``backend`` (default :class:`OracleBackend`) needs ``push(key, KVScales)`` and
     ``attend(key, q, k, v) -> out`` (causal FP8 attention with the key's current scales); keys are
-    ``"<schedule>/L<layer>"``. The fresh-amax baseline always uses the oracle.
+    ``"<schedule>/L<layer>"``. The fresh-amax baseline always uses the oracle. ``kappa_attn``/``kappa_lp``: the
+    bound factors (None → :data:`KAPPA_ATTN_VS_FRESH` / :data:`KAPPA_LP_VS_FRESH`).
 
     Runs with one torch intra-op thread (restored afterwards): the tensors are tiny, and on a loaded machine
     multi-threaded dispatch of tiny ops is 100× slower than the work itself."""
@@ -435,14 +446,12 @@ def simulate(config: DriftConfig | None = None, *, backend: Any = None,
 
 def _simulate(config: DriftConfig | None, backend: Any, schedules: tuple[str, ...], kappa_attn: float | None,
               kappa_lp: float | None) -> DriftResult:
-    from fp8rl import tolerances
-
     cfg = config or DriftConfig()
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"schedules: unknown schedule {s!r}; expected a subset of {SCHEDULES}")
-    k_attn = float(tolerances.get("kv_attention_vs_fresh").value) if kappa_attn is None else float(kappa_attn)
-    k_lp = float(tolerances.get("kv_drift_logprob_vs_fresh").value) if kappa_lp is None else float(kappa_lp)
+    k_attn = float(KAPPA_ATTN_VS_FRESH if kappa_attn is None else kappa_attn)
+    k_lp = float(KAPPA_LP_VS_FRESH if kappa_lp is None else kappa_lp)
     strategy = kvref.strategy_name(cfg.strategy)
     model = TinyAttentionStack.init(cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -488,5 +497,5 @@ def _simulate(config: DriftConfig | None, backend: Any, schedules: tuple[str, ..
     return DriftResult(cfg, cfg.every_n, recs, fresh, k_amax, k_attn, k_lp)
 
 
-__all__ = ["SCHEDULES", "DriftConfig", "DriftResult", "EngineBackend", "OracleBackend", "StepRecord", "TinyAttentionStack",
-           "simulate"]
+__all__ = ["KAPPA_ATTN_VS_FRESH", "KAPPA_LP_VS_FRESH", "SCHEDULES", "DriftConfig", "DriftResult", "EngineBackend",
+           "OracleBackend", "StepRecord", "TinyAttentionStack", "simulate"]

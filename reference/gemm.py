@@ -11,7 +11,7 @@ every w-block boundary, so each segment has one a-scale per row and one w-scale 
 from __future__ import annotations
 
 import torch
-from fp8rl import tolerances
+from fp8rl.reference.bounds import gemm_fp32_accum_bound
 from fp8rl.reference.formats import ELEMENT_FORMATS, get_format
 from fp8rl.reference.quant import QuantizedTensor, expand_scale
 
@@ -159,14 +159,14 @@ def gemm_error_bound(a: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dt
     Covers ANY implementation that forms each product a_k·w_k with at most c = 3 roundings in ``accum_dtype``
     (dequantize-then-matmul: fl(q_a·s_a), fl(q_w·s_w), their product; per-block-scale kernels: exact code products,
     tile sum × s_a × s_w), accumulates the K terms in ``accum_dtype`` in any order/grouping, and rounds once to
-    ``out_dtype``. Derivation (Higham γ_n, :func:`fp8rl.tolerances.gamma`):
+    ``out_dtype``. Derivation (Higham γ_n, :func:`fp8rl.reference.bounds.gamma`):
 
         acc_err ≤ γ_{K+c}(u_acc)·Σ_k |a_k||w_k| + c·η_acc·Σ_k max(1,|q_a|)·max(1,|q_w|)·max(1,s_a)·max(1,s_w)
         total   ≤ acc_err + u_out·(|y_exact| + acc_err) + η_out/2        (no final term if out = accum dtype)
 
     η: smallest subnormal (gradual-underflow errors of the multiplications, carried through the remaining
-    factors). The constants live in :func:`fp8rl.tolerances.gemm_fp32_accum_bound` (``gemm_fp32_accum``); this
-    function computes its inputs from the operands. The bound is inf where the result can overflow ``out_dtype``.
+    factors). The formula is :func:`fp8rl.reference.bounds.gemm_fp32_accum_bound` (tolerance ``gemm_fp32_accum``);
+    this function computes its inputs from the operands. The bound is inf where the result can overflow ``out_dtype``.
     """
     out_name = _torch_dtype_name(out_dtype)
     acc_name = _torch_dtype_name(accum_dtype)
@@ -178,4 +178,4 @@ def gemm_error_bound(a: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dt
     ua = a.values().to(_F64).abs().clamp(min=1) * expand_scale(a.scale, a.granularity, a.shape).to(_F64).clamp(min=1)
     uw = w.values().to(_F64).abs().clamp(min=1) * expand_scale(w.scale, w.granularity, w.shape).to(_F64).clamp(min=1)
     mass = ua @ uw.T
-    return tolerances.gemm_fp32_accum_bound(y.abs(), sum_abs, k, out_name, acc_name, mass)
+    return gemm_fp32_accum_bound(y.abs(), sum_abs, k, out_name, acc_name, mass)

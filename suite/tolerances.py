@@ -9,29 +9,29 @@ Two kinds of entries:
 * bound functions: a pure function of the inputs (shapes, magnitudes, formats) returning an elementwise bound,
   whose docstring is the derivation.
 
+The formulas the oracle itself needs (unit roundoffs, γ_n, eval_slack, the GEMM error bound) live in
+:mod:`fp8rl.reference.bounds` (the oracle imports nothing from the harness); this module imports them and registers
+their named entries with the derivations, so it stays the one place where named bounds and derivations live.
+
 Unit roundoff notation: for a binary floating-point format with p significand bits (implicit bit included),
 u = 2^-p is the maximal relative error of round-to-nearest; fp32 p = 24, bf16 p = 8, fp16 p = 11, fp64 p = 53.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-#: unit roundoff (round-to-nearest) of the formats used for accumulation/output
-UNIT_ROUNDOFF: dict[str, float] = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "bfloat16": 2.0**-8,
-    "float16": 2.0**-11,
-}
-#: smallest positive subnormal of each output/accumulation format (absolute underflow term)
-MIN_SUBNORMAL: dict[str, float] = {
-    "float64": 2.0**-1074,
-    "float32": 2.0**-149,
-    "bfloat16": 2.0**-133,
-    "float16": 2.0**-24,
-}
+from fp8rl.reference.bounds import (  # noqa: F401  (re-exported: tolerances.gamma, tolerances.UNIT_ROUNDOFF, ...)
+    EVAL_SLACK_EXTRA_OPS,
+    GEMM_PRODUCT_ROUNDINGS,
+    MAX_FINITE,
+    MIN_SUBNORMAL,
+    UNIT_ROUNDOFF,
+    eval_slack,
+    gamma,
+    gemm_fp32_accum_bound,
+)
+from fp8rl.reference.bounds import dtype_name as _dtype_name
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,6 @@ def get(name: str) -> Tolerance:
         raise KeyError(f"unknown tolerance {name!r}; known: {sorted(TOLERANCES)}") from None
 
 
-def gamma(n: int, u: float) -> float:
-    """γ_n = n·u / (1 − n·u) (Higham, Accuracy and Stability of Numerical Algorithms, Lemma 3.1).
-
-    |Π_{i≤n}(1+δ_i)^{±1} − 1| ≤ γ_n when every |δ_i| ≤ u and n·u < 1. Recursive summation of n terms in a
-    format with unit roundoff u, in any order, has |fl(Σx) − Σx| ≤ γ_{n−1}·Σ|x| (Higham eq. 4.4).
-    """
-    if n * u >= 1:
-        return math.inf
-    return n * u / (1 - n * u)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Exact comparisons (bit-exact checks) — recorded so the table is complete.
 EXACT = _register(
@@ -88,37 +77,15 @@ EXACT = _register(
 # ---------------------------------------------------------------------------------------------------------------
 # Foundation (formats, quantization, GEMM) entries are added below this line.
 
-#: largest finite value of each output/accumulation format (a result beyond it rounds to inf: no bound holds)
-MAX_FINITE: dict[str, float] = {
-    "float64": 1.7976931348623157e308,
-    "float32": 3.4028234663852886e38,
-    "bfloat16": 3.3895313892515355e38,
-    "float16": 65504.0,
-}
-
-
-def _dtype_name(dtype) -> str:
-    """'float32' for torch.float32 / 'float32' / numpy float32 (KeyError-free names of UNIT_ROUNDOFF)."""
-    name = str(dtype).replace("torch.", "")
-    if name not in UNIT_ROUNDOFF:
-        raise ValueError(f"dtype: expected one of {sorted(UNIT_ROUNDOFF)}, got {dtype!r}")
-    return name
-
-
 BOUND_EVAL_SLACK = _register(
     "bound_eval_slack",
-    8,
+    EVAL_SLACK_EXTRA_OPS,
     "Bounds are evaluated in fp64 floating point, so the computed number must be inflated to stay rigorous. A "
     "bound built from a sum S = Σ_{k≤n} p_k of n non-negative fp64 terms, each a product of ≤ 4 factors, and ≤ 4 "
     "further operations has computed value B̂ = B·(1+θ), |θ| ≤ γ_{n+8}(2^-53) (Higham Lemma 3.1; value: the 8 extra "
     "operations). Multiplying B̂ by eval_slack(n) = 1 + 2·γ_{n+8}(2^-53) ≥ 1/(1 − γ_{n+8}) gives a number ≥ B. "
-    "For n = 0 (elementwise bounds) the factor is 1 + 1.8e-15.",
+    "For n = 0 (elementwise bounds) the factor is 1 + 1.8e-15. Formula: fp8rl.reference.bounds.eval_slack.",
 )
-
-
-def eval_slack(n: int = 0) -> float:
-    """1 + 2·γ_{n+8}(2^-53): inflation of a bound evaluated in fp64 from n-term sums (``bound_eval_slack``)."""
-    return 1 + 2 * gamma(int(n) + int(BOUND_EVAL_SLACK.value), UNIT_ROUNDOFF["float64"])
 
 
 # ---- quantization ------------------------------------------------------------------------------------------------
@@ -198,40 +165,12 @@ UE8M0_CEIL_LOG2_OVERSHOOT = _register(
 
 GEMM_FP32_PRODUCT_ROUNDINGS = _register(
     "gemm_fp32_product_roundings",
-    3,
+    GEMM_PRODUCT_ROUNDINGS,
     "c: fp32 roundings a single product term a_k·w_k may undergo before it enters the K-sum in gemm_fp32_accum: "
     "dequantize-then-matmul rounds code·s_a, code·s_w and their product (3); per-block-scale kernels (Triton "
     "w8a8_block_scaled_mm, TE split accumulation) form code products exactly (≤ 8-bit significands), sum a "
     "K-tile in fp32 (covered by the K term) and multiply the tile sum by s_a and s_w (2).",
 )
-
-
-def gemm_fp32_accum_bound(abs_y_exact, sum_abs_products, k: int, out_dtype="float32", accum_dtype="float32",
-                          underflow_mass=0.0):
-    """Rigorous elementwise bound on |y_impl − y_exact| for a scaled FP8 GEMM (``TOLERANCES['gemm_fp32_accum']``).
-
-    ``abs_y_exact``: |y| exact (fp64 tensor), ``sum_abs_products``: Σ_k |a_k|·|w_k| of the exact dequantized
-    operands, ``k``: the reduction length, ``underflow_mass``: Σ_k max(1,|q_a|)·max(1,|q_w|)·max(1,s_a)·max(1,s_w)
-    (q: FP8 values, s: scales; 0 to ignore underflow). Returns an fp64 tensor; inf where the result can overflow
-    ``out_dtype``.
-    """
-    import torch
-
-    acc = _dtype_name(accum_dtype)
-    out = _dtype_name(out_dtype)
-    c = int(GEMM_FP32_PRODUCT_ROUNDINGS.value)
-    u = UNIT_ROUNDOFF[acc]
-    y = torch.as_tensor(abs_y_exact).to(torch.float64).abs()
-    s = torch.as_tensor(sum_abs_products).to(torch.float64)
-    g = gamma(int(k) + c, u)
-    acc_err = g * s + c * MIN_SUBNORMAL[acc] * torch.as_tensor(underflow_mass, dtype=torch.float64)
-    if out != acc:
-        total = acc_err + UNIT_ROUNDOFF[out] * (y + acc_err) + MIN_SUBNORMAL[out] / 2
-    else:
-        total = acc_err
-    total = total * eval_slack(int(k))
-    overflow = (y + acc_err) >= min(MAX_FINITE[out], MAX_FINITE[acc])
-    return torch.where(overflow, torch.full_like(total, math.inf), total)
 
 
 GEMM_FP32_ACCUM = _register(
@@ -248,8 +187,8 @@ GEMM_FP32_ACCUM = _register(
     "adds an absolute error ≤ η32/2 (η32 = 2^-149) per multiplication, later multiplied by the remaining factors "
     "(each ≤ max(1,|factor|)): ≤ c·η32·Σ_k max(1,|q_a|)·max(1,|q_w|)·max(1,s_a)·max(1,s_w); additions of "
     "subnormals are exact. The final rounding to out_dtype adds u_out·|acc| + η_out/2 ≤ u_out·(|y| + acc_err) + "
-    "η_out/2 (omitted when out_dtype is the accumulator dtype). Total: gemm_fp32_accum_bound(). Implementations "
-    "that round dequantized operands to bf16/fp16, or accumulate with fewer than 24 significand bits (Hopper FP8 "
+    "η_out/2 (omitted when out_dtype is the accumulator dtype). Total: fp8rl.reference.bounds.gemm_fp32_accum_bound(). "
+    "Implementations that round dequantized operands to bf16/fp16, or accumulate with fewer than 24 significand bits (Hopper FP8 "
     "WGMMA without promotion, ~14 bits), are outside the model — the bound is meant to catch them.",
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -38,6 +39,65 @@ def test_reference_imports_with_only_torch_and_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert "ok fp8rl.reference" in out.stdout
+
+
+def _fp8rl_imports(source: str, package: str = "fp8rl.reference") -> list[tuple[int, str]]:
+    """(line, module) for every fp8rl module ``source`` imports, wherever the import statement is (module level, in
+    a function, under ``if``/``try``): ``import fp8rl.x``, ``from fp8rl.x import y``, ``from fp8rl import x`` (→
+    ``fp8rl.x``), relative imports resolved against ``package``, and ``importlib.import_module``/``__import__`` of
+    a string constant."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            if mod in ("fp8rl", "fp8rl.reference") or (node.level and not node.module):
+                found += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, mod))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("import_module", "__import__"):
+                found.append((node.lineno, node.args[0].value))
+    return [(line, m) for line, m in found if m == "fp8rl" or m.startswith("fp8rl.")]
+
+
+def _is_oracle(module: str) -> bool:
+    return module == "fp8rl.reference" or module.startswith("fp8rl.reference.")
+
+
+def test_import_checker_sees_lazy_relative_and_dynamic_imports():
+    src = textwrap.dedent("""
+        from fp8rl.reference.formats import get_format
+        from . import kv
+        def f():
+            from fp8rl import tolerances
+            import fp8rl.checks
+            from .. import engine
+            from ..registry import load_engine
+            importlib.import_module("fp8rl.strategies")
+    """)
+    bad = sorted(m for _, m in _fp8rl_imports(src) if not _is_oracle(m))
+    assert bad == ["fp8rl.checks", "fp8rl.engine", "fp8rl.registry", "fp8rl.strategies", "fp8rl.tolerances"]
+    assert {m for _, m in _fp8rl_imports(src) if _is_oracle(m)} == {"fp8rl.reference.formats", "fp8rl.reference.kv"}
+
+
+def test_reference_imports_nothing_from_the_harness():
+    """Arrows point one way: every module of the oracle (reference/*.py) imports only fp8rl.reference.* from fp8rl,
+    lazy imports inside functions included. Bound formulas the oracle needs live in fp8rl.reference.bounds."""
+    modules = sorted((ROOT / "reference").glob("*.py"))
+    assert len(modules) > 5
+    bad = [f"reference/{p.name}:{line} imports {m}" for p in modules
+           for line, m in _fp8rl_imports(p.read_text(), "fp8rl.reference") if not _is_oracle(m)]
+    assert not bad, "fp8rl.reference must not import the harness:\n" + "\n".join(bad)
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 The headline claims, on the default configuration: never recalibrating degrades (saturation grows, attention
 error and log-prob divergence leave the bound), per-step recalibration holds the bound at every step, every-N
 sits in between; the default run is fast. Bounds come from fp8rl.tolerances (kv_attention_vs_fresh,
-kv_drift_logprob_vs_fresh).
+kv_drift_logprob_vs_fresh), whose values the oracle holds as its default κ factors (checked equal below).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from fp8rl import tolerances
 from fp8rl.engines.torch_native import TorchEngine
 from fp8rl.reference import drift
 from fp8rl.reports import render_section_plots, summarize, validate
@@ -29,6 +30,14 @@ def default_run() -> tuple[drift.DriftResult, float]:
     t0 = time.process_time()
     result = drift.simulate()
     return result, time.process_time() - t0
+
+
+def test_default_kappas_are_the_tolerance_table_values_exact(default_run):
+    """The oracle's default κ factors (drift.py imports nothing from the harness) equal the table's entries, and a
+    default run uses them."""
+    result, _ = default_run
+    assert drift.KAPPA_ATTN_VS_FRESH == tolerances.get("kv_attention_vs_fresh").value == result.kappa_attn
+    assert drift.KAPPA_LP_VS_FRESH == tolerances.get("kv_drift_logprob_vs_fresh").value == result.kappa_lp
 
 
 def test_default_never_degrades_stat(default_run):
