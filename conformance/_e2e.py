@@ -22,7 +22,7 @@ import pytest
 import torch
 from fp8rl import fixtures, tolerances
 from fp8rl.engine import EngineError
-from fp8rl.reference import rollout as R
+from fp8rl.reference import rollout_hf as R
 
 MODELS: tuple[str, ...] = fixtures.TINY_MODELS
 RECIPES: tuple[str, ...] = tuple(R.RECIPES)

@@ -40,7 +40,7 @@ class HFEngine(Engine):
         return f"transformers {transformers.__version__}"
 
     def capabilities(self) -> CapabilityMap:
-        from fp8rl.reference.rollout import transformers_reason
+        from fp8rl.reference.rollout_hf import transformers_reason
 
         reason = transformers_reason()
         rollout: bool | str = True if reason is None else reason

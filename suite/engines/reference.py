@@ -185,7 +185,8 @@ class ReferenceEngine(Engine):
     _E2E_SYNC_MEMO: dict = {}
 
     def _caps_e2e(self) -> CapabilityMap:
-        from fp8rl.reference.rollout import RECIPES, transformers_reason
+        from fp8rl.reference.rollout import RECIPES
+        from fp8rl.reference.rollout_hf import transformers_reason
 
         caps: CapabilityMap = {"weight_sync": True}
         reason = transformers_reason()
@@ -217,7 +218,8 @@ class ReferenceEngine(Engine):
         return dict(hit)
 
     def rollout_init(self, config, state_dict, recipe):
-        from fp8rl.reference.rollout import RolloutPolicy, get_recipe
+        from fp8rl.reference.rollout import get_recipe
+        from fp8rl.reference.rollout_hf import RolloutPolicy
 
         r = get_recipe(recipe)
         synced = self.weight_sync(state_dict) if r.synced_weights else None

@@ -19,9 +19,21 @@ HEAVY = ["pytest", "hypothesis", "jsonschema", "rich", "matplotlib", "scipy", "m
          "safetensors", "_pytest"]
 
 
+#: the oracle's HF-transformers glue (needs transformers + safetensors to run); every other module needs torch + numpy
+HF_GLUE = "rollout_hf"
+
+
+def _oracle_modules() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "reference").glob("*.py") if p.stem not in ("__init__", HF_GLUE))
+
+
 def test_reference_imports_with_only_torch_and_numpy():
-    """Block every non-torch/numpy third-party import, then import and use fp8rl.reference."""
+    """Block every non-torch/numpy third-party import, then import every oracle module but the HF glue and use
+    fp8rl.reference."""
+    modules = _oracle_modules()
+    assert {"bounds", "formats", "gemm", "policy", "presets", "quant", "rollout"} <= set(modules)
     code = textwrap.dedent(f"""
+        import importlib
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
@@ -31,14 +43,26 @@ def test_reference_imports_with_only_torch_and_numpy():
         sys.meta_path.insert(0, Block())
         import torch
         import fp8rl.reference as r
+        for m in {modules!r}:
+            importlib.import_module('fp8rl.reference.' + m)
         from fp8rl.reference import quant, gemm
         q = quant.quantize(torch.ones(2, 128), quant.Granularity.group(128))
         assert int(q.codes[0, 0]) == 0x7E, q.codes[0, 0]
-        print('ok', r.__name__)
+        print('ok', r.__name__, len({modules!r}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
-    assert "ok fp8rl.reference" in out.stdout
+    assert f"ok fp8rl.reference {len(modules)}" in out.stdout
+
+
+def test_hf_glue_imports_transformers_only_inside_functions():
+    """rollout_hf needs transformers to build and run models, but imports it (and safetensors) only inside
+    functions, so ``transformers_reason()`` can report a missing install instead of an ImportError."""
+    tree = ast.parse((ROOT / "reference" / f"{HF_GLUE}.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.split(".")[0] in HEAVY], names
 
 
 def _fp8rl_imports(source: str, package: str = "fp8rl.reference") -> list[tuple[int, str]]:

@@ -75,7 +75,7 @@ def test_tokenizer_dir_loads_with_autotokenizer():
 
 @pytest.mark.parametrize("name", F.TINY_MODELS)
 def test_tiny_configs_build_the_transformers_model_with_the_checkpoint_names(name):
-    from fp8rl.reference.rollout import build_hf_model, to_model_state_dict
+    from fp8rl.reference.rollout_hf import build_hf_model, to_model_state_dict
 
     m = F.tiny_model(name)
     model = build_hf_model(m.config)

@@ -1,4 +1,5 @@
-"""The rollout oracle: exact fake quantization, FP8 modules, KV calibration, generation, mismatch metrics."""
+"""The rollout oracle: exact fake quantization, FP8 modules, KV calibration and mismatch metrics
+(fp8rl.reference.rollout, ``R``); HF model building, scoring and generation (fp8rl.reference.rollout_hf, ``H``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from fp8rl import fixtures as F
 from fp8rl.reference import rollout as R
+from fp8rl.reference import rollout_hf as H
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.gemm import block_gemm_exact
 from fp8rl.reference.presets import get_policy
@@ -96,13 +98,13 @@ def moe():
 
 @pytest.fixture(scope="module")
 def trainer(dense):
-    return R.RolloutPolicy(dense.config, dense.state_dict, "bf16")
+    return H.RolloutPolicy(dense.config, dense.state_dict, "bf16")
 
 
 def test_bf16_score_is_the_plain_transformers_forward(dense, trainer):
     tokens = torch.cat([F.prompt_ids(4), torch.randint(0, 512, (4, 6), generator=torch.Generator().manual_seed(0))], 1)
-    model = R.build_hf_model(dense.config)
-    model.load_state_dict(R.to_model_state_dict(dense.state_dict))
+    model = H.build_hf_model(dense.config)
+    model.load_state_dict(H.to_model_state_dict(dense.state_dict))
     with torch.no_grad():
         logits = model(input_ids=tokens, use_cache=False).logits.float()
     want = torch.log_softmax(logits[:, 11:-1], -1).gather(-1, tokens[:, 12:, None]).squeeze(-1)
@@ -125,25 +127,25 @@ def test_generate_shapes_determinism_and_consistency(trainer):
 
 def test_fp8_linear_recipe_runs_on_the_synced_checkpoint(dense):
     synced = ws.quantize_state_dict(dense.state_dict)
-    a = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear")
-    b = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear", synced=synced)
+    a = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear")
+    b = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear", synced=synced)
     p = F.prompt_ids(2)
     assert torch.equal(a.generate(p, 4).logprobs, b.generate(p, 4).logprobs)
     n_fp8 = sum(isinstance(m, R.FP8Linear) for m in a.model.modules())
     assert n_fp8 == 2 * 7  # q/k/v/o + gate/up/down per layer; lm_head stays BF16
     # a quantized lm_head (weight sync bug) is emulated as an FP8 linear too
     rec = ws.WeightSyncRecipe(include=ws.DEFAULT_INCLUDE + (r"lm_head\.weight$",), exclude=())
-    c = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear",
+    c = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear",
                         synced=ws.quantize_state_dict(dense.state_dict, rec))
     assert isinstance(c.model.lm_head, R.FP8Linear)
 
 
 def test_moe_fp8_experts_and_quantized_router(moe):
-    pol = R.RolloutPolicy(moe.config, moe.state_dict, "fp8-linear")
+    pol = H.RolloutPolicy(moe.config, moe.state_dict, "fp8-linear")
     assert isinstance(pol.model.model.layers[0].mlp.experts, R.FP8Experts)
     assert not isinstance(pol.model.model.layers[0].mlp.gate, R.FP8Router)
     rec = ws.WeightSyncRecipe(include=ws.DEFAULT_INCLUDE + (r"mlp\.gate\.weight$",), exclude=())
-    q = R.RolloutPolicy(moe.config, moe.state_dict, "fp8-linear", synced=ws.quantize_state_dict(moe.state_dict, rec))
+    q = H.RolloutPolicy(moe.config, moe.state_dict, "fp8-linear", synced=ws.quantize_state_dict(moe.state_dict, rec))
     assert isinstance(q.model.model.layers[1].mlp.gate, R.FP8Router)
     p = F.prompt_ids(2)
     a, b = pol.generate(p, 5), q.generate(p, 5)
@@ -153,8 +155,8 @@ def test_moe_fp8_experts_and_quantized_router(moe):
 def test_fp8_experts_equal_the_transformers_loop_on_exact_weights(moe):
     """With FP8-representable weights and activations quantization disabled (identity), FP8Experts reproduces the
     transformers eager expert loop."""
-    model = R.build_hf_model(moe.config)
-    model.load_state_dict(R.to_model_state_dict(moe.state_dict))
+    model = H.build_hf_model(moe.config)
+    model.load_state_dict(H.to_model_state_dict(moe.state_dict))
     old = model.model.layers[0].mlp.experts
 
     class Identity:
@@ -172,7 +174,7 @@ def test_fp8_experts_equal_the_transformers_loop_on_exact_weights(moe):
 
 def test_kv_scales_calibrate_once_reset_on_update_and_can_be_pushed(dense):
     upd = F.tiny_model("tiny-qwen3", "update")
-    pol = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-all")
+    pol = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-all")
     assert pol.kv_scales == {}
     p = F.prompt_ids(4)
     pol.generate(p, 3)
@@ -185,7 +187,7 @@ def test_kv_scales_calibrate_once_reset_on_update_and_can_be_pushed(dense):
     pol.generate(p, 3)
     s1 = pol.kv_scales
     assert s1[0]["k"] > 5 * s0[0]["k"] and s1[0]["v"] > 5 * s0[0]["v"]  # the update grew K and V 8x
-    stale = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-kv")
+    stale = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-kv")
     stale.generate(p, 2)
     before = stale.kv_scales
     assert set(before[0]) == {"k", "v"}  # KV storage only: the query stays BF16
@@ -195,13 +197,13 @@ def test_kv_scales_calibrate_once_reset_on_update_and_can_be_pushed(dense):
     stale.set_kv_scales(s1)
     assert stale.kv_scales == s1
     with pytest.raises(ValueError, match="no FP8 KV"):
-        R.RolloutPolicy(dense.config, dense.state_dict, "bf16").set_kv_scales(s1)
+        H.RolloutPolicy(dense.config, dense.state_dict, "bf16").set_kv_scales(s1)
 
 
 def test_amax_calibration_variant(dense):
     rec = R.recipe_with("fp8-kv", kv_calibration="amax")
-    pol = R.RolloutPolicy(dense.config, dense.state_dict, rec)
-    a = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-kv")
+    pol = H.RolloutPolicy(dense.config, dense.state_dict, rec)
+    a = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-kv")
     p = F.prompt_ids(2)
     pol.generate(p, 2)
     a.generate(p, 2)
@@ -235,18 +237,18 @@ def test_recipes_and_errors(dense):
     with pytest.raises(ValueError, match="linear"):
         R.RolloutRecipe("x", fp8_linear=True, linear="row")
     with pytest.raises(ValueError, match="per channel"):
-        R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc", synced={})
+        H.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc", synced={})
     with pytest.raises(ValueError, match="recipe"):
         R.get_recipe("fp4")
     with pytest.raises(ValueError, match="fp8_q"):
         R.RolloutRecipe("x", fp8_q=True)
-    pol = R.RolloutPolicy(dense.config, dense.state_dict, "bf16")
+    pol = H.RolloutPolicy(dense.config, dense.state_dict, "bf16")
     with pytest.raises(ValueError, match="prompt_len"):
         pol.score(F.prompt_ids(1), 12)
     with pytest.raises(ValueError, match="integer"):
         pol.generate(F.prompt_ids(1).float(), 2)
     with pytest.raises(ValueError, match="missing"):
-        R.RolloutPolicy(dense.config, {k: v for k, v in dense.state_dict.items() if "lm_head" not in k})
+        H.RolloutPolicy(dense.config, {k: v for k, v in dense.state_dict.items() if "lm_head" not in k})
 
 
 def test_single_thread_restores_the_thread_count():
@@ -257,11 +259,11 @@ def test_single_thread_restores_the_thread_count():
 
 
 def test_ptpc_recipe_quantizes_weights_per_channel_and_activations_per_token(dense):
-    pol = R.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc")
+    pol = H.RolloutPolicy(dense.config, dense.state_dict, "fp8-linear-ptpc")
     names = [n for n in dense.state_dict if n.endswith(("q_proj.weight", "down_proj.weight"))]
     assert names
     for name in names:
-        mod = R._get_module(pol.model, name[: -len(".weight")])
+        mod = H._get_module(pol.model, name[: -len(".weight")])
         assert isinstance(mod, R.FP8Linear) and mod.act.g == Granularity.token()
         wq = quantize(dense.state_dict[name].to(torch.bfloat16), Granularity.channel(), "reference")
         assert torch.equal(mod.w64, wq.dequantize(torch.float64))
