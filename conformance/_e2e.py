@@ -7,8 +7,12 @@ scores the sampled tokens. Mismatch metrics (:func:`~fp8rl.reference.rollout.mis
 sampled rollout; the first divergence position compares the greedy tokens with the trainer's own greedy
 continuation (full forward per step, no cache).
 
-``python -m fp8rl.conformance._e2e`` re-measures the distribution of these metrics for the reference engine over
-alternative weight seeds and sampling seeds, which is what the budgets in :mod:`fp8rl.tolerances` are set from.
+``python -m fp8rl.conformance._e2e --seeds 10 --write`` re-measures the distribution of these metrics for the
+reference engine over alternative weight seeds and sampling seeds and writes it, with the calibration's metadata
+(command, seeds, runs, torch/transformers/python versions, date), to the budgets data file
+``fp8rl/data/e2e_budgets.json`` (:data:`fp8rl.tolerances.E2E_BUDGETS_FILE`), from which :mod:`fp8rl.tolerances`
+registers the ``e2e.*`` budgets; ``--out PATH`` writes it elsewhere, ``--models`` / ``--recipes`` re-measure a
+subset (the file's other entries, method and margins are kept).
 """
 
 from __future__ import annotations
@@ -249,7 +253,7 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# budget calibration (maintainers): python -m fp8rl.conformance._e2e [--seeds K]
+# budget calibration (maintainers): python -m fp8rl.conformance._e2e [--seeds K] --write
 
 
 def calibrate(n_seeds: int = 10, models: tuple[str, ...] = MODELS, recipes: tuple[str, ...] = RECIPES,
@@ -290,20 +294,135 @@ def _summary(samples: dict[tuple[str, str], dict[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
+def calibration_record(n_seeds: int, models: tuple[str, ...], recipes: tuple[str, ...], command: str
+                       ) -> dict[str, Any]:
+    """Metadata of a calibration run (the ``calibrations`` record of the budgets file); ``id``: its UTC time."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    import transformers
+
+    now = datetime.datetime.now(datetime.UTC)
+    rec: dict[str, Any] = {
+        "id": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "command": command, "date": now.strftime("%Y-%m-%d"),
+        "engine": "reference", "models": list(models), "recipes": list(recipes), "n_seeds": int(n_seeds),
+        "weight_seeds": f"fixture seed + k, k = 0..{int(n_seeds) - 1}", "variants": ["base", "update"],
+        "sampling_seeds": f"{SAMPLE_SEED} + k", "runs_per_case": 2 * int(n_seeds), "prompts": int(prompts().shape[0]),
+        "new_tokens": N_NEW, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+    }
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        if rev.returncode == 0 and rev.stdout.strip():
+            rec["commit"] = rev.stdout.strip()  # the checkout's HEAD (a source checkout only)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return rec
+
+
+def budgets_document(samples: dict[tuple[str, str], dict[str, list[float]]], base: dict[str, Any],
+                     calibration: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a budgets document: method, margins, calibrations, measured) with the measured entries of
+    ``samples`` replaced by their min / median (upper, sorted[n // 2]) / max / n — one entry per metric that has a
+    margin — recorded under ``calibration`` (a :func:`calibration_record`); calibration records no entry uses any
+    more are dropped."""
+    import copy
+
+    doc = copy.deepcopy(base)
+    cal = dict(calibration)
+    cid = cal.pop("id")
+    doc["calibrations"][cid] = cal
+    for (model, recipe), d in samples.items():
+        entry: dict[str, Any] = {"calibration": cid}
+        for metric in doc["margins"]:
+            v = sorted(float(x) for x in d[metric])
+            entry[metric] = {"min": v[0], "median": v[len(v) // 2], "max": v[-1], "n": len(v)}
+        doc["measured"].setdefault(model, {})[recipe] = entry
+    used = {e["calibration"] for recipes in doc["measured"].values() for e in recipes.values()}
+    doc["calibrations"] = {k: v for k, v in doc["calibrations"].items() if k in used}
+    return doc
+
+
+def dump_budgets(doc: dict[str, Any]) -> str:
+    """The budgets document as JSON text: indented, with number-only objects (one metric's statistics) and lists
+    of scalars on one line."""
+    import json
+
+    def scalar(v: Any) -> bool:
+        return v is None or isinstance(v, (str, int, float, bool))
+
+    def enc(obj: Any, pad: str) -> str:
+        if isinstance(obj, dict) and obj and not all(isinstance(v, (int, float)) for v in obj.values()):
+            inner = pad + " "
+            return "{\n" + ",\n".join(f"{inner}{json.dumps(k)}: {enc(v, inner)}" for k, v in obj.items()) + \
+                "\n" + pad + "}"
+        if isinstance(obj, list) and not all(scalar(v) for v in obj):
+            inner = pad + " "
+            return "[\n" + ",\n".join(inner + enc(v, inner) for v in obj) + "\n" + pad + "]"
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+    return enc(doc, "") + "\n"
+
+
+def write_budgets(doc: dict[str, Any], path: str) -> None:
+    """Write ``doc`` to ``path`` after checking that :func:`fp8rl.tolerances.load_e2e_budgets` accepts it."""
+    import os
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(dump_budgets(doc))
+        tolerances.load_e2e_budgets(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def installed_budgets_path() -> str:
+    """The budgets data file of this installation (in a source checkout: suite/data/e2e_budgets.json)."""
+    from importlib import resources
+
+    return str(resources.files("fp8rl").joinpath(tolerances.E2E_BUDGETS_FILE))
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
+    import sys
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=10)
+    ap = argparse.ArgumentParser(prog="python -m fp8rl.conformance._e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=10, help="weight/sampling seeds per model (2 runs each)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--write", action="store_true",
+                    help=f"write the measured distribution to this installation's budgets file "
+                         f"(fp8rl/{tolerances.E2E_BUDGETS_FILE})")
+    ap.add_argument("--out", default=None, help="write the budgets file here instead")
     ap.add_argument("--json", default=None, help="write the raw samples here")
     args = ap.parse_args(argv)
-    samples = calibrate(args.seeds)
+    models, recipes = tuple(args.models), tuple(args.recipes)
+    samples = calibrate(args.seeds, models=models, recipes=recipes)
     print(_summary(samples))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{m}/{r}": d for (m, r), d in samples.items()}, f, indent=1)
-    return 0 if all(math.isfinite(v) for d in samples.values() for vs in d.values() for v in vs) else 1
+    if not all(math.isfinite(v) for d in samples.values() for vs in d.values() for v in vs):
+        print("non-finite metrics: no budgets written", file=sys.stderr)
+        return 1
+    out = args.out or (installed_budgets_path() if args.write else None)
+    if out:
+        command = "python -m fp8rl.conformance._e2e " + " ".join(sys.argv[1:] if argv is None else argv)
+        doc = budgets_document(samples, tolerances.load_e2e_budgets(),
+                               calibration_record(args.seeds, models, recipes, command.strip()))
+        write_budgets(doc, out)
+        print(f"budgets written to {out}")
+    return 0
 
 
 if __name__ == "__main__":

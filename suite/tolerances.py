@@ -740,36 +740,80 @@ KV_DRIFT_LOGPROB_VS_FRESH = _register(
 # Weight sync and end-to-end mismatch
 #
 # Weight sync is checked bit-exactly ('exact') plus 'quant_roundtrip' for the dequantized weights. The e2e budgets
-# below bound the train–inference mismatch of a rollout engine on the tiny fixtures (fp8rl.fixtures) against the
-# BF16 trainer (conformance/_e2e.py: 8 fixed prompts × 20 sampled tokens, temperature 1). They are *empirical*:
-# no analytic bound links FP8 rounding of a whole network to log-probs, so each is set from the distribution of
-# the reference FP8 emulation (exact dequantized FP8 operands, fp64 GEMMs rounded to BF16, FP8 KV with vLLM's
-# first-batch calibration) over 20 runs per (model, recipe): weight seeds fixture-seed + 0..9 of the same init
-# recipe, both the base and the updated (K/V grown 8x, 30 % noise) weights, sampling seeds 1234 + k. Re-measure
-# with ``python -m fp8rl.conformance._e2e --seeds 10``. An engine whose numerics differ legitimately (fp32
-# accumulation order, BF16 GEMM outputs, another FP8 kernel) draws from a distribution of the same scale, so the
-# margins are on the observed *maximum*: ×2 for k3 KL (a mean of squared-log-ratio-like terms over 160 tokens),
-# ×2 on the excess (token_mult_prob_error − 1), ×1.5 for max |Δlogp| (one token's worst case; the MoE tails come
-# from routing flips, where a token changes experts and its log-prob moves by O(1)), and ×0.5 on the observed
-# *minimum* of the mean first divergence position of greedy decoding (a floor; 20 = no divergence in 20 tokens).
-# Measured (min, median, max) of the reference emulation, reference engine, torch 2.13 CPU, transformers 5.24
-# (fp8-linear-ptpc measured the same way, ``calibrate(10, recipes=("fp8-linear-ptpc",))``, 20 runs per model):
+# are empirical: the measured distribution of the reference FP8 emulation per model × recipe × metric, the method
+# and each calibration's metadata live in the data file E2E_BUDGETS_FILE (package data of fp8rl), written by
+# ``python -m fp8rl.conformance._e2e --seeds 10 --write``; this module loads it and registers one entry
+# 'e2e.<metric>.<model>.<recipe>' per measured metric (margin rule below).
 
-E2E_MARGINS: dict[str, float] = {"k3_kl": 2.0, "token_mult_prob_error": 2.0, "max_abs_dlogp": 1.5,
-                                 "first_div_mean": 0.5}
+#: the e2e budgets data file, relative to the fp8rl package
+E2E_BUDGETS_FILE = "data/e2e_budgets.json"
+E2E_BUDGETS_FORMAT = "fp8rl-e2e-budgets/1"
 
+
+def load_e2e_budgets(path=None) -> dict:
+    """The e2e budgets document (``E2E_BUDGETS_FILE`` of the installed package, or ``path``), validated: format,
+    method text, margins, calibration records, and per model/recipe/metric {min, median, max, n} with min ≤
+    median ≤ max, finite, and a margin for every metric. ValueError otherwise."""
+    import json
+    from importlib import resources
+
+    if path is None:
+        text = resources.files(__package__).joinpath(E2E_BUDGETS_FILE).read_text(encoding="utf-8")
+        where = f"fp8rl/{E2E_BUDGETS_FILE}"
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        where = str(path)
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or doc.get("format") != E2E_BUDGETS_FORMAT:
+        raise ValueError(f"{where}: expected format {E2E_BUDGETS_FORMAT!r}, got {doc.get('format')!r}")
+    for key in ("method", "margins", "calibrations", "measured"):
+        if key not in doc:
+            raise ValueError(f"{where}: missing {key!r}")
+    margins, cals = doc["margins"], doc["calibrations"]
+    for model, recipes in doc["measured"].items():
+        for recipe, entry in recipes.items():
+            what = f"{where}: measured[{model!r}][{recipe!r}]"
+            if entry.get("calibration") not in cals:
+                raise ValueError(f"{what}: calibration {entry.get('calibration')!r} is not in 'calibrations'")
+            for metric, st in entry.items():
+                if metric == "calibration":
+                    continue
+                if metric not in margins:
+                    raise ValueError(f"{what}: no margin for metric {metric!r} (margins: {sorted(margins)})")
+                lo, med, hi, n = (st.get(k) for k in ("min", "median", "max", "n"))
+                vals = (lo, med, hi)
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals) or not lo <= med <= hi \
+                        or not (isinstance(n, int) and n > 0):
+                    raise ValueError(f"{what}[{metric!r}]: expected finite min ≤ median ≤ max and n > 0, got {st!r}")
+    return doc
+
+
+def e2e_budget_value(metric: str, stats: tuple[float, float, float], margin: float) -> float:
+    """Budget (or floor, for ``first_div_mean``) from a measured (min, median, max) and the metric's margin:
+    margin·max; 1 + margin·(max − 1) for token_mult_prob_error; margin·min for first_div_mean."""
+    lo, _, hi = stats
+    if metric == "token_mult_prob_error":
+        return 1.0 + margin * (hi - 1.0)
+    if metric == "first_div_mean":
+        return margin * lo
+    return margin * hi
+
+
+E2E_BUDGETS: dict = load_e2e_budgets()
+E2E_MARGINS: dict[str, float] = {k: float(v) for k, v in E2E_BUDGETS["margins"].items()}
+#: (model, recipe) → metric → (min, median, max), from E2E_BUDGETS_FILE
 E2E_MEASURED: dict[tuple[str, str], dict[str, tuple[float, float, float]]] = {
-    ("tiny-qwen3", "bf16"): {"k3_kl": (0.0001464, 0.0002054, 0.0002801), "token_mult_prob_error": (1.01, 1.012, 1.016), "max_abs_dlogp": (0.05654, 0.07133, 0.09857), "first_div_mean": (16.88, 19.12, 20)},
-    ("tiny-qwen3", "fp8-linear"): {"k3_kl": (0.01022, 0.01769, 0.03046), "token_mult_prob_error": (1.119, 1.161, 1.224), "max_abs_dlogp": (0.3776, 0.611, 0.7659), "first_div_mean": (4.125, 7.375, 12.12)},
-    ("tiny-qwen3", "fp8-linear-ptpc"): {"k3_kl": (0.01003, 0.02046, 0.02969), "token_mult_prob_error": (1.122, 1.174, 1.224), "max_abs_dlogp": (0.4376, 0.5621, 0.9724), "first_div_mean": (3.5, 7.625, 11)},
-    ("tiny-qwen3", "fp8-kv"): {"k3_kl": (0.001318, 0.003881, 0.006459), "token_mult_prob_error": (1.04, 1.073, 1.097), "max_abs_dlogp": (0.16, 0.2804, 0.4009), "first_div_mean": (8.5, 13.25, 19.12)},
-    ("tiny-qwen3", "fp8-all"): {"k3_kl": (0.01105, 0.02279, 0.04108), "token_mult_prob_error": (1.132, 1.188, 1.273), "max_abs_dlogp": (0.4266, 0.6009, 1.304), "first_div_mean": (2.375, 7, 12.25)},
-    ("tiny-qwen3-moe", "bf16"): {"k3_kl": (0.0001622, 0.0002642, 0.005156), "token_mult_prob_error": (1.011, 1.015, 1.038), "max_abs_dlogp": (0.05487, 0.08504, 1.588), "first_div_mean": (15.75, 19.12, 20)},
-    ("tiny-qwen3-moe", "fp8-linear"): {"k3_kl": (0.01243, 0.02509, 0.0726), "token_mult_prob_error": (1.135, 1.2, 1.272), "max_abs_dlogp": (0.6114, 0.9784, 2.68), "first_div_mean": (3.125, 7.5, 13.62)},
-    ("tiny-qwen3-moe", "fp8-linear-ptpc"): {"k3_kl": (0.01362, 0.02311, 0.0924), "token_mult_prob_error": (1.138, 1.189, 1.272), "max_abs_dlogp": (0.5709, 0.7618, 2.695), "first_div_mean": (4.25, 7.625, 11.38)},
-    ("tiny-qwen3-moe", "fp8-kv"): {"k3_kl": (0.003201, 0.00695, 0.03178), "token_mult_prob_error": (1.062, 1.087, 1.112), "max_abs_dlogp": (0.2455, 0.5449, 2.034), "first_div_mean": (8, 12, 14.88)},
-    ("tiny-qwen3-moe", "fp8-all"): {"k3_kl": (0.01999, 0.02737, 0.03631), "token_mult_prob_error": (1.169, 1.199, 1.251), "max_abs_dlogp": (0.6736, 1.106, 1.579), "first_div_mean": (1.5, 5.875, 9.875)},
+    (model, recipe): {m: (st["min"], st["median"], st["max"]) for m, st in entry.items() if m != "calibration"}
+    for model, recipes in E2E_BUDGETS["measured"].items() for recipe, entry in recipes.items()
 }
+
+
+def _calibration_line(cid: str) -> str:
+    c = E2E_BUDGETS["calibrations"][cid]
+    return (f"{cid}: {c.get('command')}, {c.get('runs_per_case')} runs per case, torch {c.get('torch')}, "
+            f"transformers {c.get('transformers')}, {c.get('date')}")
+
 
 E2E_MISMATCH = _register(
     "e2e_mismatch",
@@ -777,29 +821,23 @@ E2E_MISMATCH = _register(
     "Mismatch budgets of the e2e checks (value: the k3 KL margin). Per (model, recipe) and metric the budget is "
     "the entry 'e2e.<metric>.<model>.<recipe>': max × 2 (k3_kl), 1 + 2·(max − 1) (token_mult_prob_error), "
     "max × 1.5 (max_abs_dlogp), and the floor min × 0.5 (first_div_mean), over the measured distribution of the "
-    "reference FP8 emulation described above (E2E_MEASURED). Recipes: bf16 (incremental BF16 decoding vs the "
+    f"reference FP8 emulation in fp8rl/{E2E_BUDGETS_FILE}. Recipes: bf16 (incremental BF16 decoding vs the "
     "teacher-forced trainer), fp8-linear (W8A8 128x128/1x128), fp8-linear-ptpc (W8A8 per-channel weights / "
-    "per-token activations, vLLM fp8_per_channel), fp8-kv (FP8 KV storage), fp8-all (both + FP8 query). The update check uses the same budgets (the distribution includes the updated weights).",
+    "per-token activations, vLLM fp8_per_channel), fp8-kv (FP8 KV storage), fp8-all (both + FP8 query). Method "
+    "(from the data file): " + E2E_BUDGETS["method"] + " Calibrations: "
+    + "; ".join(_calibration_line(c) for c in E2E_BUDGETS["calibrations"]) + ".",
 )
 
-
-def _e2e_budget_value(metric: str, stats: tuple[float, float, float]) -> float:
-    lo, _, hi = stats
-    m = E2E_MARGINS[metric]
-    if metric == "token_mult_prob_error":
-        return 1.0 + m * (hi - 1.0)
-    if metric == "first_div_mean":
-        return m * lo
-    return m * hi
-
-
 for (_model, _recipe), _stats in E2E_MEASURED.items():
+    _cal = E2E_BUDGETS["measured"][_model][_recipe]["calibration"]
     for _metric, _s in _stats.items():
+        _n = E2E_BUDGETS["measured"][_model][_recipe][_metric]["n"]
         _kind = "floor (the check needs ≥)" if _metric == "first_div_mean" else "budget (the check needs ≤)"
-        _register(f"e2e.{_metric}.{_model}.{_recipe}", _e2e_budget_value(_metric, _s),
+        _register(f"e2e.{_metric}.{_model}.{_recipe}", e2e_budget_value(_metric, _s, E2E_MARGINS[_metric]),
                   f"{_kind} for {_metric} of {_model} under {_recipe}: measured min/median/max "
-                  f"{_s[0]:.4g}/{_s[1]:.4g}/{_s[2]:.4g} over 20 reference-emulation runs, margin "
-                  f"{E2E_MARGINS[_metric]} (see 'e2e_mismatch').")
+                  f"{_s[0]:.4g}/{_s[1]:.4g}/{_s[2]:.4g} over {_n} reference-emulation runs (calibration "
+                  f"{_calibration_line(_cal)}), margin {E2E_MARGINS[_metric]} (see 'e2e_mismatch'; data: "
+                  f"fp8rl/{E2E_BUDGETS_FILE}).")
 
 
 def e2e_budget(metric: str, model: str, recipe: str) -> float:
