@@ -553,11 +553,13 @@ DRIFT_CHECK_CONFIG = {"steps": 16, "grow_steps": 10, "growth": 0.09}
 @check("KV-DRIFT-001", "Drift simulation through the engine (16 RL-like steps of a tiny QK-norm + RoPE GQA stack, "
        "scales by strategy B pushed per schedule): per-step recalibration holds the bound at every step (attention "
        "error ≤ κ_attn and log-prob divergence ≤ κ_lp × the fresh-amax FP8 error); the table and plots for never / "
-       "every step / every 5 steps go to the report.", bound="kv_attention_vs_fresh",
-       requires=["kv.update_scales"], timeout=120.0)
+       "every step / every 5 steps go to the report.",
+       bound=("kv_attention_vs_fresh", "kv_drift_logprob_vs_fresh"), requires=["kv.update_scales"], timeout=120.0)
 def test_kv_drift_per_step_recalibration(engine, seed):
     cfg = drift.DriftConfig(seed=seed % 1000, **DRIFT_CHECK_CONFIG)  # type: ignore[arg-type]
-    result = drift.simulate(cfg, backend=drift.EngineBackend(engine, cfg.fmt, cfg.layout, f"KV-DRIFT-001/{seed}"))
+    result = drift.simulate(cfg, backend=drift.EngineBackend(engine, cfg.fmt, cfg.layout, f"KV-DRIFT-001/{seed}"),
+                            kappa_attn=tolerances.get("kv_attention_vs_fresh").value,
+                            kappa_lp=tolerances.get("kv_drift_logprob_vs_fresh").value)
     record_section("kv_drift", result.to_section(f"KV-scale drift through {engine.name}"))
     summ = result.summary()
     record_metrics(err_over_bound=summ["every-step"]["max_attn_err_over_bound"],
