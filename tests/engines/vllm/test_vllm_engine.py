@@ -59,6 +59,15 @@ def test_vendor_xfails_file_is_valid():
         assert len(reason) > 40, f"vllm.xfails: {prefix}: the reason must state the finding precisely"
 
 
+def test_registry_string_and_evidence_script_resolve():
+    import importlib
+
+    from fp8rl.registry import BUILTINS
+
+    assert BUILTINS["vllm"] == "fp8rl.engines.vllm:VllmEngine"
+    assert callable(importlib.import_module("fp8rl.engines.vllm.__main__")._main)  # python -m fp8rl.engines.vllm
+
+
 def test_declared_policies_are_presets():
     from fp8rl.reference.presets import PRESETS
 
@@ -195,7 +204,7 @@ def test_paged_write_is_the_inverse_of_the_cache_read(eng):
     n, h, d = 70, 3, 64
     x = torch.randn(n, h, d) * 3
     nb = 3
-    kv = torch.zeros(nb, h, 2 * V._KV_BLOCK, d, dtype=torch.uint8)
+    kv = torch.zeros(nb, h, 2 * V.kv._KV_BLOCK, d, dtype=torch.uint8)
     kc, vc = kv.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(x, x.clone(), kc, vc, torch.arange(n), "vec", k_scale=0.05, v_scale=0.05,
                                    kv_cache_dtype="fp8_e4m3")

@@ -1,0 +1,238 @@
+"""Engine ``vllm``, area e2e: how fp8rl runs rollouts through ``vllm.LLM``.
+
+One ``vllm.LLM`` (one engine-core process) per (model configuration, recipe) per process, shared by every check, on
+the tiny fixtures: BF16, FP8 (e4m3) KV cache, and W8A8 PTPC linears (``quantization="fp8_per_channel"``, recipe
+``fp8-linear-ptpc``: per-channel FP8 weights quantized by vLLM at load, dynamic per-token FP8 activations, the
+ChannelWiseTorchFP8ScaledMMLinearKernel; dense models only on CPU); weight updates through
+``LLM.collective_rpc("reload_weights", weights_path=...)``. ``kv_scales_in_use`` reads the k/v scales the running
+attention layers use; ``python -m fp8rl.engines.vllm`` measures the vLLM-only configurations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from fp8rl.engine import CapabilityMap, Unsupported
+
+from ._common import _vllm_version, vllm_reason
+
+#: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
+CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
+                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all")
+
+
+class VllmLLMMixin:
+    """Rollouts, weight reloads and the shared ``vllm.LLM`` instances of :class:`fp8rl.engines.vllm.VllmEngine`."""
+
+    @staticmethod
+    def _caps_e2e(v: str) -> CapabilityMap:
+        caps: CapabilityMap = {"rollout": True, "update_weights": True, "rollout.bf16": True,
+                               "rollout.fp8-kv": True, "rollout.fp8-linear-ptpc": True}
+        caps["weight_sync"] = (f"vllm {v}: no 128x128 block weight sync on CPU: quantization='fp8_per_block' "
+                               "fails to load without AMX")
+        caps["rollout.fp8-linear"] = (f"vllm {v} on CPU: W8A8 block-FP8 linear (128x128 weights, 1x128 activations) "
+                                      "needs AMX; only quantization='fp8_per_channel' (PTPC, recipe fp8-linear-ptpc) "
+                                      "runs on AVX-512")
+        caps["rollout.fp8-all"] = (f"vllm {v} on CPU: no FP8 query / FP8 attention (CPU_ATTN folds k_scale into the "
+                                   "softmax scale, Q stays BF16) and no block-FP8 linear without AMX")
+        return caps
+
+    # -- area e2e: rollouts through vllm.LLM ------------------------------------------------------------------------
+    # One LLM per (model config, recipe) per process (each start costs ~25 s on CPU), shared by every check; the
+    # engine core runs in its own process (vLLM's default). A rollout_init / update_weights with other weights
+    # reloads them in place through Worker.reload_weights (checkpoint format → vLLM's own load_weights +
+    # process_weights_after_loading) via LLM.collective_rpc.
+    #: recipe → LLM keyword arguments (kv "fp8" = e4m3 with vLLM's default k/v scale 1.0: a BF16 checkpoint has no
+    #: loadable k_scale/v_scale and vLLM 0.32 has no calibration). The ``vllm-*`` entries are vLLM-only
+    #: configurations outside the suite's recipes (measured by ``python -m fp8rl.engines.vllm``, not by the checks).
+    RECIPE_KWARGS: dict[str, dict] = {
+        "bf16": {"kv_cache_dtype": "auto"},
+        "fp8-kv": {"kv_cache_dtype": "fp8"},
+        "fp8-linear-ptpc": {"kv_cache_dtype": "auto", "quantization": "fp8_per_channel"},
+        "vllm-fp8-e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
+    }
+    #: why a MoE model cannot run the PTPC recipe on CPU (measured: engine-core start fails)
+    MOE_PTPC_REASON = ("vllm {v} on CPU: quantization='fp8_per_channel' fails to load a MoE model: "
+                       "Fp8PtpcOnlineMoEMethod.process_weights_after_loading (online/fp8.py) quantizes w13 with "
+                       "ops.scaled_fp8_quant(use_per_token_if_dynamic=True), and the CPU build registers "
+                       "_C::dynamic_per_token_scaled_fp8_quant as an argument-less stub ('expected at most 0 "
+                       "argument(s) but received 4'); 'Engine core initialization failed'")
+
+    def _llm(self, config: dict, state_dict: Any, recipe: str, extra: dict | None = None):
+        import json
+        import os
+        import tempfile
+
+        from fp8rl.fixtures import digest_state_dict
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        kwargs = dict(self.RECIPE_KWARGS[recipe], **(extra or {}))
+        key = (json.dumps(config, sort_keys=True), json.dumps(kwargs, sort_keys=True))
+        digest = digest_state_dict(dict(state_dict))
+        with _LLM_LOCK:  # prestart_rollouts starts LLMs from threads: one start per key, the others wait
+            entry = _LLMS.get(key)
+            pending = _STARTING.get(key)
+            owner = entry is None and pending is None
+            if owner:
+                pending = _STARTING[key] = threading.Event()
+        if entry is None and not owner:
+            pending.wait()  # type: ignore[union-attr]
+            entry = _LLMS.get(key)
+            if entry is None:  # that start failed: start (and raise) here
+                return self._llm(config, state_dict, recipe, extra)
+        if owner:
+            from fp8rl.reference.weight_sync import write_hf_checkpoint
+            from vllm import LLM
+
+            try:
+                d = tempfile.mkdtemp(prefix="fp8rl-vllm-")
+                write_hf_checkpoint(d, config, state_dict, fp8=False)
+                with _LLM_LOCK:
+                    if not _ATEXIT:
+                        import atexit
+
+                        atexit.register(_shutdown_all)
+                        _ATEXIT.append(True)
+                llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                          skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, **kwargs)
+                with _LLM_LOCK:
+                    entry = _LLMS[key] = [llm, digest, d]
+            finally:
+                with _LLM_LOCK:
+                    _STARTING.pop(key).set()  # type: ignore[union-attr]
+        elif entry[1] != digest:
+            self._reload(entry[0], config, state_dict)
+            entry[1] = digest
+        return entry
+
+    @staticmethod
+    def _reload(llm: Any, config: dict, state_dict: Any) -> None:
+        # the engine core is a separate process (one per LLM: vLLM's parallel state is process-global, so a dense
+        # and a MoE model cannot share one process); tensors do not pass through collective_rpc's serializer, so
+        # the new weights go through a checkpoint directory: Worker.reload_weights(weights_path=...)
+        import shutil
+        import tempfile
+
+        from fp8rl.reference.weight_sync import write_hf_checkpoint
+
+        d = tempfile.mkdtemp(prefix="fp8rl-vllm-reload-")
+        try:
+            write_hf_checkpoint(d, config, state_dict, fp8=False)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": d, "is_checkpoint_format": True})
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def prestart_rollouts(self, cases) -> None:
+        """Start the ``vllm.LLM`` of every (config, state_dict, recipe) at once (the e2e area's optional hook):
+        each start is mostly its engine-core and worker processes spawning and importing vLLM, so threads overlap
+        them. Failures are ignored here; the case's own rollout_init starts it again and raises."""
+        todo: dict = {}
+        for config, state_dict, recipe in cases:
+            if recipe not in self.RECIPE_KWARGS or vllm_reason():
+                continue
+            moe = int(dict(config).get("num_experts") or 0) > 0
+            if moe and self.RECIPE_KWARGS[recipe].get("quantization") == "fp8_per_channel":
+                continue
+            key = (repr(sorted(dict(config).items())), recipe)
+            todo.setdefault(key, (dict(config), state_dict, recipe))
+
+        def start(args) -> None:
+            with contextlib.suppress(Exception):
+                self._llm(*args)
+
+        threads = [threading.Thread(target=start, args=(a,), daemon=True) for a in todo.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def rollout_init(self, config, state_dict, recipe):
+        if recipe not in self.RECIPE_KWARGS:
+            raise Unsupported(self.capabilities().get(f"rollout.{recipe}", f"unknown recipe {recipe!r}"))
+        reason = vllm_reason()
+        if reason:
+            raise Unsupported(reason)
+        moe = int(dict(config).get("num_experts") or 0) > 0
+        if moe and self.RECIPE_KWARGS[recipe].get("quantization") == "fp8_per_channel":
+            raise Unsupported(self.MOE_PTPC_REASON.format(v=_vllm_version()))
+        entry = self._llm(dict(config), state_dict, recipe)
+        return {"entry": entry, "config": dict(config), "recipe": recipe}
+
+    def update_weights(self, handle, state_dict):
+        from fp8rl.fixtures import digest_state_dict
+
+        entry = handle["entry"]
+        self._reload(entry[0], handle["config"], state_dict)
+        entry[1] = digest_state_dict(dict(state_dict))
+        return handle
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        from fp8rl.reference.rollout import RolloutOutput
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = handle["entry"][0]
+        n = int(max_new_tokens)
+        sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False,
+                            temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0, seed=int(seed))
+        reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in prompts.tolist()]
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        toks, lps = [], []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            toks.append(ids)
+            lps.append([float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)])
+        tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
+        return RolloutOutput(tokens, torch.tensor(lps, dtype=torch.float32))
+
+
+#: (config json, recipe) → [LLM, digest of the loaded weights, checkpoint dir]
+_LLMS: dict = {}
+_LLM_LOCK = threading.Lock()
+_STARTING: dict = {}  # key → Event set when the LLM start in progress ends
+_ATEXIT: list = []
+
+
+def _shutdown_all() -> None:
+    """Stop every engine-core process at exit (before vLLM's own finalizers, which log to streams pytest has
+    already closed and print '--- Logging error ---' tracebacks) and remove the checkpoint directories."""
+    import logging
+    import shutil
+
+    logging.raiseExceptions = False
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.handlers.clear()
+    vllm_logger.addHandler(logging.NullHandler())
+    vllm_logger.propagate = False
+    def _stop(entry: list) -> None:
+        with contextlib.suppress(Exception):
+            entry[0].llm_engine.engine_core.shutdown()
+        shutil.rmtree(entry[2], ignore_errors=True)
+
+    # each engine core takes ~4.5 s to stop (SIGTERM, then its executor waits for the worker): stop them together
+    # (plain threads: this runs from atexit, where concurrent.futures refuses new work)
+    threads = [threading.Thread(target=_stop, args=(e,), daemon=True) for e in _LLMS.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    _LLMS.clear()
+
+
+def kv_scales_in_use(handle: Any) -> dict[str, tuple[float, float]]:
+    """The k/v scales each attention layer of a running rollout engine uses (host copies the CPU kernel reads)."""
+
+    def _scales(worker):
+        out = {}
+        for name, mod in worker.model_runner.get_model().named_modules():
+            if hasattr(mod, "_k_scale_float"):
+                out[name] = (float(mod._k_scale_float), float(mod._v_scale_float))
+        return out
+
+    return handle["entry"][0].collective_rpc(_scales)[0]
