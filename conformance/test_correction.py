@@ -97,8 +97,8 @@ def _log_weight_err(b: Batch, level: str) -> torch.Tensor:
 
 
 def _weight_rel(b: Batch, cfg: C.CorrectionConfig) -> torch.Tensor:
-    n_norm = int(_m(b).sum()) + b.mask.shape[0] + 2 if cfg.rollout_is_batch_normalize else None
-    return tolerances.corr_weight_rel_bound(_log_weight_err(b, cfg.rollout_is), n_norm)
+    counts = (int(_m(b).sum()), b.mask.shape[0]) if cfg.rollout_is_batch_normalize else None
+    return tolerances.corr_weight_rel_bound(_log_weight_err(b, cfg.rollout_is), counts)
 
 
 def _near(value: torch.Tensor, threshold: float, value_err: torch.Tensor, m: torch.Tensor) -> bool:

@@ -237,7 +237,8 @@ CORR_WEIGHT = _register(
     "weight is ≤ fl(U) ≤ U·(1+u), corr_rounded_threshold_max). (3) exp adds ≤ 2u relative "
     "(corr_exp_ulps). So |ŵ/w − 1| ≤ e^E·(1+2u)·(1+u) − 1. (4) batch normalization divides by μ̂, a mean of ≤ N "
     "positive weights (token level) or of B row means of ≤ T tokens (sequence level): |μ̂/μ − 1| ≤ r + "
-    "γ_{N+B+2}(u)·(1+r) with r the weight bound, and the division adds u. IcePop keeps/zeroes a weight by "
+    "γ_{N+B+2}(u)·(1+r) with r the largest weight bound of the batch, and the division adds u. IcePop "
+    "keeps/zeroes a weight by "
     "comparing it to lo/hi: within corr_decision_band of a threshold the decision is ambiguous and such examples "
     "are discarded.",
 )
@@ -275,21 +276,24 @@ def corr_rounded_threshold_max(threshold: float, dtype="float32") -> float:
     return float(threshold) * (1 + UNIT_ROUNDOFF[_dtype_name(dtype)]) * eval_slack(0)
 
 
-def corr_weight_rel_bound(log_err, n_norm: int | None = None, dtype="float32"):
+def corr_weight_rel_bound(log_err, norm_counts: tuple[int, int] | None = None, dtype="float32"):
     """Elementwise relative bound on IS weights (``TOLERANCES['corr_weight']``).
 
-    ``log_err``: bound on the engine's absolute error in the log weight per element (u·|δ| for token weights,
-    γ_n(u)·Σ|δ| for a row sum, see the derivation); ``n_norm``: N + B + 2 when the weights are batch-normalized,
-    else None. Returns an fp64 tensor of relative bounds.
+    ``log_err``: bound on the engine's absolute error in the log weight per element (corr_log_weight_err);
+    ``norm_counts``: (N valid tokens, B rows) when the weights are batch-normalized, else None — μ̂ is a mean of
+    ≤ N weights (token level) or of B row means (sequence levels), each within the largest weight bound r_max, so
+    |μ̂/μ − 1| ≤ r_μ = r_max + γ_{N+B+2}(u)·(1 + r_max) (the N + B additions and divisions, with 2 to spare), and
+    w/μ adds one division. Returns an fp64 tensor of relative bounds.
     """
     import torch
 
     u = UNIT_ROUNDOFF[_dtype_name(dtype)]
     e = torch.as_tensor(log_err, dtype=torch.float64)
     r = torch.exp(e) * (1 + CORR_EXP_ULPS.value * u) * (1 + u) - 1
-    if n_norm is not None:
-        g = gamma(int(n_norm), u)
-        r_mu = r + g * (1 + r)
+    if norm_counts is not None:
+        n_tokens, n_rows = norm_counts
+        r_max = float(r.max()) if r.numel() else 0.0
+        r_mu = r_max + gamma(int(n_tokens) + int(n_rows) + 2, u) * (1 + r_max)
         r = (1 + r) * (1 + r_mu) / (1 - r_mu) * (1 + u) - 1
     return r * eval_slack(0)
 
