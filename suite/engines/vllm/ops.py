@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Unsupported
-from fp8rl.reference.quant import Granularity, QuantizedTensor, ScalePolicy, get_policy
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 from ._common import _platform, _vllm_config
 
