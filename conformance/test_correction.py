@@ -32,7 +32,7 @@ from fp8rl.strategies_correction import (
     rs_specs,
     tis_thresholds,
 )
-from hypothesis import Phase, assume, given, settings
+from hypothesis import Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 CAP = "rollout_correction"
@@ -250,11 +250,13 @@ def _full_compare(engine, b: Batch, cfg: C.CorrectionConfig, *, weights=True, ma
 
 
 def _check_drawn(engine, batch_strategy, param_strategies, make_cfg, *, screen: bool = True,
-                 normalized: bool = False) -> None:
+                 normalized: bool = False, anchors: tuple = ()) -> None:
     """The common property: for hypothesis-drawn batches and parameters, ``cfg = make_cfg(*params)`` and the
     engine's weights, mask (and nothing else) equal the oracle's (:func:`_full_compare`). ``screen`` drops examples
     whose keep/reject decision is ambiguous (corr_decision_band) and those where IcePop zeroes every weight;
-    ``normalized`` also drops batch-normalized examples whose factor is at most corr_norm_factor_floor."""
+    ``normalized`` also drops batch-normalized examples whose factor is at most corr_norm_factor_floor.
+    ``anchors``: fixed ``(batch, params)`` examples run before the drawn ones (hypothesis ``@example``), so that
+    the bugs a check is meant to catch do not depend on which batches the derandomized seed happens to draw."""
     @_no_shrink()
     @given(batch_strategy, st.tuples(*param_strategies))
     def inner(b, params):
@@ -267,11 +269,34 @@ def _check_drawn(engine, batch_strategy, param_strategies, make_cfg, *, screen: 
             assume(factor is not None and factor > NORM_FACTOR_FLOOR)
         _full_compare(engine, b, cfg)
 
+    for b, params in anchors:
+        inner = example(b, params)(inner)
     inner()
 
 
 def _rs_cfg(spec: tuple) -> C.CorrectionConfig:
     return C.CorrectionConfig(None, rollout_rs=spec[0], rollout_rs_threshold=spec[1])
+
+
+def _anchor_batch(rows: list[list[float]], cols: int = 4) -> Batch:
+    """A fixed batch: row i has the valid log-ratios ``rows[i]`` (log π_rollout = −1), then padding."""
+    lr = torch.full((len(rows), cols), -1.0)
+    lo = lr.clone()
+    mask = torch.zeros(len(rows), cols)
+    for i, ds in enumerate(rows):
+        lo[i, :len(ds)] = -1.0 + torch.tensor(ds)
+        mask[i, :len(ds)] = 1.0
+    return Batch(lo, lr, mask, 0)
+
+
+#: fixed RS examples whose decisions are far from their thresholds (≥ 1 % of the statistic): a k3 statistic that
+#: the inverse ratio moves across U (δ = 0.8: k3 = 0.426 vs 0.249 for −δ; U = 0.35), and row means that a mean
+#: over all T positions (padding counted) moves across U (k2 of δ = ±0.9: 0.405 on 2 of 4 valid tokens vs 0.2025,
+#: U = 0.4; k1 mean 1 vs 0.5, log hi = 0.75)
+RS_K3_INVERSE = (_anchor_batch([[0.8]]), ("token_k3", "0.35"))
+RS_K2_MEAN = (_anchor_batch([[0.9, -0.9]]), ("seq_mean_k2", "0.4"))
+RS_K1_MEAN = (_anchor_batch([[1.0, 1.0]]), ("seq_mean_k1", repr(math.exp(0.75))))
+RS_COMBINED = (_anchor_batch([[0.8], [-0.9, -0.9]]), ("token_k3,seq_mean_k2", "0.35,0.4"))
 
 
 def _compare_metric_keys(engine, b: Batch, cfg: C.CorrectionConfig, keys) -> None:
@@ -385,14 +410,16 @@ def test_sequence_batch_norm_bound(engine):
        "keeps a token/row iff its statistic ≤ U; the new mask equals the oracle's.", bound=RS_BOUNDS,
        requires=[CAP])
 def test_rs_k2_k3_bound(engine):
-    _check_drawn(engine, batches(), [rs_specs(k1=False, max_options=1)], _rs_cfg)
+    _check_drawn(engine, batches(), [rs_specs(k1=False, max_options=1)], _rs_cfg,
+                 anchors=tuple((b, (spec,)) for b, spec in (RS_K3_INVERSE, RS_K2_MEAN)))
 
 
 @check("CORR-RS-002", "k1 rejection with symmetric ratio bounds (a bare float hi means lo = 1/hi): keep iff "
        "lo ≤ ρ_t (token), lo ≤ Π ρ_t (seq_sum), lo ≤ (Π ρ_t)^(1/T) (seq_mean) ≤ hi.", bound=RS_BOUNDS,
        requires=[CAP])
 def test_rs_k1_symmetric_bound(engine):
-    _check_drawn(engine, batches(), [rs_specs(k1=True, symmetric=True, max_options=1)], _rs_cfg)
+    _check_drawn(engine, batches(), [rs_specs(k1=True, symmetric=True, max_options=1)], _rs_cfg,
+                 anchors=((RS_K1_MEAN[0], (RS_K1_MEAN[1],)),))
 
 
 @check("CORR-RS-003", "k1 rejection with asymmetric 'lo_hi' bounds tests the ratio ρ = π_train/π_rollout (not "
@@ -420,7 +447,8 @@ def test_rs_combined_bound(engine):
             opts = f"{opts},{opts.split(',')[0]}"
         return _rs_cfg((opts, thr))
 
-    _check_drawn(engine, batches(), [rs_specs(symmetric=True, max_options=3), st.booleans()], cfg)
+    _check_drawn(engine, batches(), [rs_specs(symmetric=True, max_options=3), st.booleans()], cfg,
+                 anchors=((RS_COMBINED[0], (RS_COMBINED[1], False)),))
 
 
 @check("CORR-RS-005", "Rejection sampling changes the mask only: the IS weights with RS equal the weights without "
