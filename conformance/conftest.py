@@ -6,7 +6,6 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
 from fp8rl.checks import GuardedEngine
 from fp8rl.plugin import engine_names
 from fp8rl.registry import load_engine
@@ -40,37 +39,39 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.fixture
-def torch_gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+@pytest.fixture(autouse=True)
+def _require_capabilities(request: pytest.FixtureRequest) -> None:
+    """Skip a check, with the engine's own reason, unless the engine declares every capability the check
+    ``requires=`` (its templates filled from the case's parameters)."""
+    spec = getattr(request.node.get_closest_marker("fp8rl_check"), "kwargs", {}).get("spec")
+    if spec is None or not spec.requires:
+        return
+    from fp8rl.checks import require, required_capabilities
+
+    callspec = getattr(request.node, "callspec", None)
+    require(request.getfixturevalue("engine"), *required_capabilities(spec, dict(callspec.params) if callspec else {}))
 
 
 @pytest.fixture(autouse=True)
 def _prune_mutant_matrix(request: pytest.FixtureRequest) -> None:
     """In ``fp8rl mutants`` runs, skip a check for a mutant that overrides none of the engine methods the check
-    calls: a deterministic mutant then returns exactly the reference engine's answers, and the reference engine
-    is conformant (asserted by the suite's own tests). Checks whose capabilities are not in CAPABILITY_OPS, and
-    mutants that override ``__init__`` (e.g. change declared policies), are never pruned."""
+    calls (the ops of its required capabilities, :mod:`fp8rl.capabilities`): a deterministic mutant then returns
+    exactly the reference engine's answers, and the reference engine is conformant (asserted by the suite's own
+    tests). Mutants that override ``__init__`` (e.g. change declared policies) are never pruned."""
     if request.config.getoption("--fp8rl-profile") != "mutants":
         return
     spec = getattr(request.node.get_closest_marker("fp8rl_check"), "kwargs", {}).get("spec")
     name = request.getfixturevalue("engine_name")
     if spec is None or not name.startswith("mutant:") or not spec.requires:
         return
+    from fp8rl.capabilities import ops_of
     from fp8rl.checks import required_capabilities
-    from fp8rl.engine import CAPABILITY_OPS
     from fp8rl.engines.reference import ReferenceEngine
 
     cls = type(request.getfixturevalue("engine").inner)
     if not issubclass(cls, ReferenceEngine) or cls.__init__ is not ReferenceEngine.__init__:
         return
     callspec = getattr(request.node, "callspec", None)
-    caps = required_capabilities(spec, dict(callspec.params) if callspec else {})
-    methods: set[str] = set()
-    for cap in caps:
-        prefix = cap.split(".", 1)[0]
-        if prefix not in CAPABILITY_OPS:
-            return
-        methods.update(CAPABILITY_OPS[prefix])
-    if all(getattr(cls, m, None) is getattr(ReferenceEngine, m, None) for m in methods):
+    methods = ops_of(required_capabilities(spec, dict(callspec.params) if callspec else {}))
+    if methods is not None and all(getattr(cls, m, None) is getattr(ReferenceEngine, m, None) for m in methods):
         pytest.skip(f"not exercised: {name} overrides none of {sorted(methods)} (reference answers)")

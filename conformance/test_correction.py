@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import fp8rl.mutants_correction  # noqa: F401  (registers the correction mutants when the checks load)
 import numpy as np
 import pytest
 import torch
@@ -49,29 +48,12 @@ RS_BOUNDS = ("corr_stat", "corr_decision_band", "exact")
 PAIR_BOUNDS = ("corr_run_pair", "corr_weight", "corr_metric", "corr_decision_band", "corr_stat", "exact")
 
 # ----------------------------------------------------------------------------------------------------------------
-# running and validating
+# running
 
 
 def _call(engine, b: Batch, cfg: C.CorrectionConfig):
-    got = engine.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
-    op = f"{engine.name}.rollout_correction"
-    for attr in ("weights", "mask", "metrics"):
-        if not hasattr(got, attr):
-            raise EngineError(f"{op} returned {type(got).__name__} without {attr!r}; expected a CorrectionResult")
-    if cfg.rollout_is is None:
-        if got.weights is not None:
-            raise EngineError(f"{op}: rollout_is=None but weights were returned")
-    else:
-        if not isinstance(got.weights, torch.Tensor) or tuple(got.weights.shape) != tuple(b.mask.shape):
-            raise EngineError(f"{op}: weights must be a {tuple(b.mask.shape)} tensor, got "
-                              f"{getattr(got.weights, 'shape', got.weights)!r}")
-    if not isinstance(got.mask, torch.Tensor) or tuple(got.mask.shape) != tuple(b.mask.shape):
-        raise EngineError(f"{op}: mask must be a {tuple(b.mask.shape)} tensor")
-    if got.mask.dtype != b.mask.dtype:
-        raise EngineError(f"{op}: mask dtype {got.mask.dtype} != input mask dtype {b.mask.dtype}")
-    if not isinstance(got.metrics, dict):
-        raise EngineError(f"{op}: metrics must be a dict, got {type(got.metrics).__name__}")
-    return got
+    """The engine's correction of batch ``b`` (GuardedEngine validates the result's types and shapes)."""
+    return engine.rollout_correction(b.train_logp, b.rollout_logp, b.mask, cfg)
 
 
 def _ctx(b: Batch, cfg: C.CorrectionConfig) -> str:

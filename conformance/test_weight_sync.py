@@ -1,4 +1,4 @@
-"""Area ``weight_sync``: the FP8 checkpoint an engine's per-step weight sync produces (paper §1.3–1.4).
+"""Area ``weight_sync``: the FP8 checkpoint an engine's per-step weight sync produces (docs/paper-numbers.md §1.3–1.4).
 
 For the tiny dense and MoE fixtures (BF16, HF checkpoint names), the engine's ``weight_sync`` must return FP8
 codes + ``*_weight_scale_inv`` fp32 dequant scales (128×128 blocks, ceil-div shapes) for every attention/MLP/expert
@@ -12,12 +12,10 @@ from __future__ import annotations
 import functools
 import re
 
-import fp8rl.mutants_e2e  # noqa: F401  (registers the weight-sync / e2e mutants when the checks load)
 import pytest
 import torch
 from fp8rl import fixtures, tolerances
-from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
-from fp8rl.engine import EngineError
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.quant import Granularity
@@ -39,14 +37,7 @@ def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
 
 
 def _synced(engine, model: str) -> dict[str, torch.Tensor]:
-    require(engine, "weight_sync")
-    out = engine.weight_sync(fixtures.tiny_model(model).state_dict)
-    if not isinstance(out, dict):
-        raise EngineError(f"{engine.name}.weight_sync returned {type(out).__name__}, expected a dict")
-    bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise EngineError(f"{engine.name}.weight_sync: entries that are not str → Tensor: {bad[:3]}")
-    return out
+    return engine.weight_sync(fixtures.tiny_model(model).state_dict)  # validated by GuardedEngine
 
 
 def _expected_names(model: str) -> list[str]:

@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 
 def _console():

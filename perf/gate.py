@@ -34,10 +34,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_SUSPECT, EXIT_USAGE  # the one exit-code table
+from fp8rl.exitcodes import EXIT_OK as EXIT_PASS
 from fp8rl.perf.results import ResultError
 from fp8rl.perf.stats import Estimate, paired_speedup, unpaired_ratio
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_SUSPECT = 0, 1, 2, 3
 DEFAULT_MIN_PAIRS = 3
 _REL_EPS = 1e-9  # a CI end equal to a bound (up to float noise) passes
 

@@ -137,8 +137,9 @@ def _gemm_fns(m: int, n: int, k: int, device: str, seed: int):
 def run_gemm(out: Path, *, device: str, m_values, shapes: dict, repeats: int, iters: int, warmup: int, seed: int,
              hardware_name: str | None) -> tuple[dict, dict]:
     import torch
+    from fp8rl.environment import environment
     from fp8rl.perf import model as pm
-    from fp8rl.perf.results import environment, hardware_block, new_result, write_result
+    from fp8rl.perf.results import hardware_block, new_result, write_result
 
     cuda = device.startswith("cuda")
     timer = _Timer(cuda)
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from fp8rl.environment import environment
     from fp8rl.perf import model as pm
-    from fp8rl.perf.results import environment
 
     summary: dict = {"environment": environment(), "device": "cuda" if cuda and not args.force_cpu else "cpu"}
     if cuda and not args.force_cpu:

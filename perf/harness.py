@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fp8rl.perf.results import environment, hardware_block, new_result
+from fp8rl.environment import environment
+from fp8rl.perf.results import hardware_block, new_result
 
 ORDERS = ("interleaved", "abba")
 

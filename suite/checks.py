@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from fp8rl import tolerances
+from fp8rl import capabilities, tolerances
 from fp8rl.engine import Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -42,6 +42,19 @@ class CheckSpec:
 
 #: every check defined (id → spec); ids are unique across the suite
 CHECKS: dict[str, CheckSpec] = {}
+
+
+def all_checks() -> dict[str, CheckSpec]:
+    """Every check of the suite (imports each ``fp8rl.conformance.test_*`` module, which declares its checks)."""
+    import importlib
+    import pkgutil
+
+    import fp8rl.conformance as conf
+
+    for mod in pkgutil.iter_modules(conf.__path__):
+        if mod.name.startswith("test_"):
+            importlib.import_module(f"fp8rl.conformance.{mod.name}")
+    return CHECKS
 
 
 def area_of_module(module: str) -> str:
@@ -79,12 +92,18 @@ def check(check_id: str, title: str, *, bound: str | Sequence[str] = "exact", re
 
 
 def required_capabilities(spec: CheckSpec, params: dict[str, Any]) -> list[str]:
+    """The capability keys a check case needs: its ``requires=`` templates filled from the case's parameters,
+    each a key of :mod:`fp8rl.capabilities` (ValueError otherwise)."""
     out = []
     for key in spec.requires:
         try:
-            out.append(key.format(**params))
+            filled = key.format(**params)
         except KeyError as exc:
             raise ValueError(f"check {spec.id}: capability {key!r} needs parameter {exc}") from None
+        if filled not in capabilities.CAPABILITIES:
+            raise ValueError(f"check {spec.id}: requires unknown capability {filled!r}; known: "
+                             f"{', '.join(capabilities.CAPABILITIES)}")
+        out.append(filled)
     return out
 
 
@@ -140,6 +159,8 @@ class GuardedEngine:
     """Wraps an engine; validates every op's output (type, shape, dtype, NaN) and wraps its exceptions."""
 
     inner: Engine
+    #: vocabulary size of each rollout handle (from its HF config), to validate sampled token ids
+    _vocab: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -212,6 +233,143 @@ class GuardedEngine:
                 raise EngineError(f"{self.name}.block_gemm returned non-finite values for finite inputs "
                                   f"(first at {bad})")
         return out
+
+
+    # -- area kv ---------------------------------------------------------------------------------------------------
+    def kv_policy(self, fmt: str, layout: str):
+        from fp8rl.reference import kv as kvref
+
+        out = self._call("kv_policy", fmt, layout)
+        _expect_type(out, kvref.KVPolicy, f"{self.name}.kv_policy({fmt!r}, {layout!r})")
+        return out
+
+    def kv_store(self, x: torch.Tensor, scale: Any, *, fmt: str, layout: str):
+
+        out = self._call("kv_store", x, scale, fmt=fmt, layout=layout)
+        _expect_kv_cache(out, f"{self.name}.kv_store[{fmt}, {layout}]", tuple(x.shape))
+        return out
+
+    def kv_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._call("kv_attention", q, k_cache, v_cache, **kwargs)
+        _expect_float_tensor(out, f"{self.name}.kv_attention", tuple(q.shape))
+        return out
+
+    def kv_calibrate(self, captures: Any, strategy: str, **kwargs: Any):
+        from fp8rl.reference import kv as kvref
+
+        out = self._call("kv_calibrate", captures, strategy, **kwargs)
+        _expect_type(out, kvref.KVScales, f"{self.name}.kv_calibrate[{strategy}]")
+        return out
+
+    def kv_update_scales(self, layer: Any, scales: Any) -> str:
+        out = self._call("kv_update_scales", layer, scales)
+        if out not in ("pushed", "pending"):
+            raise EngineError(f"{self.name}.kv_update_scales returned {out!r}, expected 'pushed' or 'pending'")
+        return out
+
+    def kv_forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any):
+        from fp8rl.reference import kv as kvref
+
+        out = self._call("kv_forward", layer, q, k, v, **kwargs)
+        what = f"{self.name}.kv_forward"
+        _expect_type(out, kvref.KVForward, what)
+        _expect_float_tensor(out.out, f"{what} output", tuple(q.shape))
+        _expect_kv_cache(out.k_cache, f"{what} K cache", tuple(k.shape))
+        _expect_kv_cache(out.v_cache, f"{what} V cache", tuple(v.shape))
+        _expect_type(out.scales, kvref.KVScales, f"{what} scales")
+        return out
+
+    # -- area correction -------------------------------------------------------------------------------------------
+    def rollout_correction(self, train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                           config: Any):
+        out = self._call("rollout_correction", train_logp, rollout_logp, mask, config)
+        op = f"{self.name}.rollout_correction"
+        shape = tuple(mask.shape)
+        for attr in ("weights", "mask", "metrics"):
+            if not hasattr(out, attr):
+                raise EngineError(f"{op} returned {type(out).__name__} without {attr!r}; expected a CorrectionResult")
+        if getattr(config, "rollout_is", None) is None:
+            if out.weights is not None:
+                raise EngineError(f"{op}: rollout_is=None but weights were returned")
+        elif not isinstance(out.weights, torch.Tensor) or tuple(out.weights.shape) != shape:
+            raise EngineError(f"{op}: weights must be a {shape} tensor, got "
+                              f"{getattr(out.weights, 'shape', out.weights)!r}")
+        _expect_tensor(out.mask, f"{op} mask", shape=shape, dtype=mask.dtype)
+        if not isinstance(out.metrics, dict):
+            raise EngineError(f"{op}: metrics must be a dict, got {type(out.metrics).__name__}")
+        return out
+
+    def correction_loss(self, logp: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._call("correction_loss", logp, *args, **kwargs)
+        _expect_float_tensor(out, f"{self.name}.correction_loss", ())
+        return out
+
+    # -- areas weight_sync and e2e ---------------------------------------------------------------------------------
+    def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
+        out = self._call("weight_sync", state_dict)
+        if not isinstance(out, dict):
+            raise EngineError(f"{self.name}.weight_sync returned {type(out).__name__}, expected a dict")
+        bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise EngineError(f"{self.name}.weight_sync: entries that are not str → Tensor: {bad[:3]}")
+        return out
+
+    def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
+        handle = self._call("rollout_init", config, state_dict, recipe)
+        self._vocab[id(handle)] = int(config["vocab_size"]) if isinstance(config, dict) and "vocab_size" in config \
+            else None
+        return handle
+
+    def update_weights(self, handle: Any, state_dict: Any) -> Any:
+        new = self._call("update_weights", handle, state_dict)
+        self._vocab[id(new)] = self._vocab.get(id(handle))
+        return new
+
+    def rollout(self, handle: Any, prompts: torch.Tensor, max_new_tokens: int, **kwargs: Any):
+        """Validated: (tokens (B, P+N) int64 starting with the prompts, ids inside the vocabulary; logprobs (B, N)
+        float32, finite, ≤ ``rollout_logprob_slack``), returned as a tuple on the CPU."""
+        out = self._call("rollout", handle, prompts, max_new_tokens, **kwargs)
+        what = f"{self.name}.rollout"
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise EngineError(f"{what}: expected a (tokens, logprobs) tuple, got {type(out).__name__}")
+        tokens, logprobs = out
+        b, p = prompts.shape
+        _expect_tensor(tokens, f"{what} tokens", shape=(b, p + max_new_tokens), dtype=torch.int64)
+        _expect_tensor(logprobs, f"{what} logprobs", shape=(b, max_new_tokens), dtype=torch.float32)
+        tokens, logprobs = tokens.cpu(), logprobs.cpu()
+        if not torch.equal(tokens[:, :p], prompts.cpu()):
+            raise EngineError(f"{what}: tokens do not start with the prompts")
+        vocab = self._vocab.get(id(handle))
+        if vocab is not None and bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise EngineError(f"{what}: token ids outside [0, {vocab})")
+        slack = tolerances.get("rollout_logprob_slack").value
+        bad = ~torch.isfinite(logprobs) | (logprobs > slack)
+        if bool(bad.any()):
+            raise EngineError(f"{what}: log-probs must be finite and ≤ 0 (first bad at {bad.nonzero()[:3].tolist()})")
+        return tokens, logprobs
+
+
+def _expect_type(obj: Any, cls: type, what: str) -> None:
+    if not isinstance(obj, cls):
+        raise EngineError(f"{what}: returned {type(obj).__name__}, expected {cls.__name__}")
+
+
+def _expect_kv_cache(obj: Any, what: str, shape: tuple[int, ...]) -> None:
+    from fp8rl.reference import kv as kvref
+
+    _expect_type(obj, kvref.KVCache, what)
+    _expect_tensor(obj.codes, f"{what} codes", shape=shape, dtype=torch.uint8)
+    if not isinstance(obj.scale, torch.Tensor):
+        raise EngineError(f"{what}: scale is {type(obj.scale).__name__}, expected a torch.Tensor")
+
+
+def _expect_float_tensor(t: Any, what: str, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise EngineError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise EngineError(f"{what}: expected shape {shape}, got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise EngineError(f"{what}: expected a floating-point tensor, got {t.dtype}")
 
 
 def _expect_tensor(t: Any, what: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:

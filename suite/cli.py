@@ -1,7 +1,4 @@
-"""``fp8rl`` command line.
-
-Exit codes: 0 conformant / all mutants killed; 1 non-conformant / a mutant survived; 2 usage or engine-load error.
-"""
+"""``fp8rl`` command line. Exit codes: :mod:`fp8rl.exitcodes`."""
 
 from __future__ import annotations
 
@@ -11,12 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from fp8rl.runner import MUTANT_MATRICES
+from fp8rl.strategies import RUN_PROFILES
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-PROFILE_CHOICES = ("ci", "full", "nightly")
+#: the profiles a user picks (``mutants`` is fp8rl mutants' own)
+PROFILE_CHOICES = tuple(p for p in RUN_PROFILES if p != "mutants")
 
 
 def _console() -> Console:
@@ -25,6 +25,7 @@ def _console() -> Console:
 
 # ----------------------------------------------------------------------------------------------------------------
 def cmd_engines(args: argparse.Namespace) -> int:
+    from fp8rl.capabilities import CAPABILITIES
     from fp8rl.registry import EngineLoadError, available_engines, load_engine
 
     console = _console()
@@ -42,13 +43,16 @@ def cmd_engines(args: argparse.Namespace) -> int:
         return EXIT_OK
     for row in rows:
         table = Table(title=escape(f"{row['name']}  ({row['version']})"), title_justify="left", show_lines=False)
+        table.add_column("area")
         table.add_column("capability")
         table.add_column("status")
         if "error" in row:
-            table.add_row("load", f"[red]{escape(str(row['error']))}[/red]")
-        for key, status in sorted(row["capabilities"].items()):
-            shown = "[green]available[/green]" if status is True else f"[yellow]no:[/yellow] {escape(str(status))}"
-            table.add_row(key, shown)
+            table.add_row("", "load", f"[red]{escape(str(row['error']))}[/red]")
+        for key, cap in CAPABILITIES.items():  # every key of the table, area by area
+            status = row["capabilities"].get(key)
+            shown = ("[green]available[/green]" if status is True else "[dim]not declared[/dim]" if status is None
+                     else f"[yellow]no:[/yellow] {escape(str(status))}")
+            table.add_row(cap.area, key, shown)
         console.print(table)
         if row["description"]:
             console.print(f"  {escape(row['description'])}\n")
@@ -56,18 +60,23 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-def _run(engines: list[str], args: argparse.Namespace, out: Path, profile: str) -> int:
+_DEFAULT = object()
+
+
+def _run(engines: list[str], args: argparse.Namespace, out: Path, profile: str, *, areas=_DEFAULT,
+         extra: list[str] | None = None) -> int:
     from fp8rl.runner import pytest_args, run_pytest
 
     pa = pytest_args(engines, profile=profile, out_dir=out, seed=args.seed, xfails=getattr(args, "xfails", None),
-                     skips=getattr(args, "skips", None), areas=args.area, keyword=args.k, workers=args.workers)
+                     skips=getattr(args, "skips", None), areas=args.area if areas is _DEFAULT else areas,
+                     keyword=args.k, workers=args.workers, extra=extra)
     return run_pytest(pa)
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     from fp8rl.registry import EngineLoadError, load_engine
-    from fp8rl.reports import print_summary
-    from fp8rl.runner import load_report, vendor_file
+    from fp8rl.reports import load_report, print_summary
+    from fp8rl.runner import vendor_file
 
     console = _console()
     try:
@@ -109,10 +118,24 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+def _mutant_row(name: str, report: dict) -> dict:
+    """One mutant's result: the checks that killed it, and its declared killers that did not (survived)."""
+    from fp8rl.mutants import MUTANTS
+
+    m = MUTANTS[name]
+    killed_by = sorted({c["id"] for c in report["checks"] if c["outcome"] in ("failed", "error")})
+    ran = {c["id"] for c in report["checks"] if c["outcome"] != "skipped"}
+    return {"mutant": name, "description": m.description, "area": m.area, "killed": bool(killed_by),
+            "killed_by": killed_by, "declared": list(m.kills),
+            "survived_declared": sorted(set(m.kills) - set(killed_by)),
+            "unknown_declared": sorted(set(m.kills) - {c["id"] for c in report["checks"]}) if ran else [],
+            "undeclared_killers": sorted(set(killed_by) - set(m.kills))}
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     from fp8rl.mutants import MUTANTS
-    from fp8rl.reports import summarize, write_report
-    from fp8rl.runner import SCHEMA_VERSION, engine_dir, load_report
+    from fp8rl.reports import load_report, write_report
+    from fp8rl.runner import engine_dir, report_document
 
     console = _console()
     names = args.only or sorted(MUTANTS)
@@ -120,84 +143,92 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if unknown:
         console.print(f"[red]fp8rl: unknown mutants {unknown}; known: {sorted(MUTANTS)}[/red]")
         return EXIT_USAGE
+    if args.area:
+        names = [n for n in names if MUTANTS[n].area in args.area]
+        if not names:
+            console.print(f"[red]fp8rl: no mutant in areas {args.area}[/red]")
+            return EXIT_USAGE
     if args.list:
         for n in names:
-            console.print(f"{n:32s} [{MUTANTS[n].area}] {MUTANTS[n].description}")
+            console.print(f"{n:32s} [{MUTANTS[n].area}] {escape(MUTANTS[n].description)}  "
+                          f"kills: {', '.join(MUTANTS[n].kills)}")
         return EXIT_OK
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engines = [f"mutant:{n}" for n in names]
     t0 = time.perf_counter()
-    code = _run(engines, args, out, "mutants")
+    code = _run(engines, args, out, "mutants", areas=None if args.matrix == "declared" else args.area,
+                extra=["--fp8rl-mutant-matrix", args.matrix])
     wall = time.perf_counter() - t0
-    rows = []
-    per_check_kills: dict[str, int] = {}
+    rows, reports = [], []
     for n, e in zip(names, engines):
-        path = engine_dir(out, e) / "report.json"
+        path = engine_dir(out, e) / "report.json" if len(engines) > 1 else out / "report.json"
         if not path.exists():
             console.print(f"[red]fp8rl: no report for {e} (pytest exit {code})[/red]")
             return EXIT_USAGE
-        rep = load_report(path)
-        killers = sorted({c["id"] for c in rep["checks"] if c["outcome"] in ("failed", "error")})
-        for cid in killers:
-            per_check_kills[cid] = per_check_kills.get(cid, 0) + 1
-        rows.append({"mutant": n, "description": MUTANTS[n].description, "area": MUTANTS[n].area,
-                     "killed": bool(killers), "killed_by": killers})
+        reports.append(load_report(path))
+        rows.append(_mutant_row(n, reports[-1]))
     killed = sum(r["killed"] for r in rows)
+    broken = [r for r in rows if r["survived_declared"]]
     score = killed / len(rows) if rows else 0.0
     (out / "mutants.json").write_text(json.dumps(rows, indent=2))
+    per_check_kills: dict[str, int] = {}
+    for r in rows:
+        for cid in r["killed_by"]:
+            per_check_kills[cid] = per_check_kills.get(cid, 0) + 1
     mutant_checks = [{
         "id": "MUTANT-" + r["mutant"].upper().replace("_", "-"), "area": r["area"], "title": r["description"],
-        "nodeid": f"mutant:{r['mutant']}", "case": "", "outcome": "passed" if r["killed"] else "failed",
-        "message": ("killed by " + ", ".join(r["killed_by"])) if r["killed"] else "SURVIVED: no check failed",
+        "nodeid": f"mutant:{r['mutant']}", "case": "",
+        "outcome": "passed" if r["killed"] and not r["survived_declared"] else "failed",
+        "message": (("killed by " + ", ".join(r["killed_by"])) if r["killed"] else "SURVIVED: no check failed")
+        + (f"; SURVIVED its declared killers {', '.join(r['survived_declared'])}" if r["survived_declared"] else ""),
         "duration_s": 0.0, "bound": None, "metrics": {"killed_by": len(r["killed_by"])},
     } for r in rows]
-    summary_report = {
-        "schema_version": SCHEMA_VERSION, "suite": {"name": "fp8rl", "version": _version()}, "kind": "mutants",
-        "engine": {"name": "mutants", "version": _version(), "capabilities": {}},
-        "environment": rep["environment"], "profile": "mutants", "seed": args.seed,
-        "started_at": rep["started_at"], "duration_s": round(wall, 3), "command": sys.argv,
-        "summary": summarize(mutant_checks), "checks": mutant_checks, "mutants": rows, "mutation_score": score,
-        "sections": {"check_kill_counts": {"title": "mutants killed per check", "table": {
+    write_report(report_document(
+        kind="mutants", engine={"name": "mutants", "version": _version(), "capabilities": {}}, profile="mutants",
+        seed=args.seed, started_at=reports[0]["started_at"], duration_s=wall, command=sys.argv,
+        checks=mutant_checks, warnings=[], mutants=rows, mutation_score=score,
+        sections={"check_kill_counts": {"title": f"mutants killed per check (matrix {args.matrix})", "table": {
             "columns": ["check", "mutants killed"],
-            "rows": [[cid, n] for cid, n in sorted(per_check_kills.items())]}}},
-    }
-    write_report(summary_report, out)
-    table = Table(title=f"mutation score {killed}/{len(rows)} = {100 * score:.0f}%  ({wall:.1f} s)",
-                  title_justify="left")
+            "rows": [[cid, n] for cid, n in sorted(per_check_kills.items())]}}}), out)
+    table = Table(title=f"mutation score {killed}/{len(rows)} = {100 * score:.0f}%  (matrix {args.matrix}, "
+                        f"{wall:.1f} s)", title_justify="left")
     for col in ("mutant", "area", "killed", "killed by"):
         table.add_column(col)
     for r in rows:
         kb = ", ".join(r["killed_by"][:4]) + (" …" if len(r["killed_by"]) > 4 else "")
-        table.add_row(r["mutant"], r["area"], "[green]yes[/green]" if r["killed"] else "[red]SURVIVED[/red]", kb)
+        status = "[green]yes[/green]" if r["killed"] and not r["survived_declared"] else "[red]SURVIVED[/red]"
+        table.add_row(r["mutant"], r["area"], status, kb)
     console.print(table)
+    for r in broken:
+        console.print(f"[red]{r['mutant']} survived declared killers {r['survived_declared']}[/red]")
+    new = {cid for r in rows for cid in r["undeclared_killers"]}
+    if new and args.matrix != "declared":
+        console.print(f"checks that killed a mutant without being declared: {', '.join(sorted(new))}")
     console.print(f"mutants.json and report.* written to {out}")
-    return EXIT_OK if killed == len(rows) else EXIT_FAIL
+    return EXIT_OK if killed == len(rows) and not broken else EXIT_FAIL
 
 
 def cmd_checks(args: argparse.Namespace) -> int:
-    import importlib
-    import pkgutil
-
-    import fp8rl.conformance as conf
     from fp8rl import tolerances
-    from fp8rl.checks import CHECKS
+    from fp8rl.checks import all_checks
+    from fp8rl.mutants import killers_by_check
 
-    for mod in pkgutil.iter_modules(conf.__path__):
-        if mod.name.startswith("test_"):
-            importlib.import_module(f"fp8rl.conformance.{mod.name}")
+    CHECKS = all_checks()
     rows = sorted(CHECKS.values(), key=lambda c: (c.area, c.id))
+    kills = killers_by_check()
     if args.json:
         print(json.dumps([{"id": c.id, "area": c.area, "title": c.title, "bound": c.bound,
                            "bounds": {b: tolerances.get(b).derivation for b in c.bounds},
-                           "requires": list(c.requires)}
+                           "requires": list(c.requires), "kills": sorted(kills.get(c.id, []))}
                           for c in rows], indent=2))
         return EXIT_OK
     table = Table(title=f"{len(rows)} conformance checks", title_justify="left")
-    for col in ("id", "area", "bound", "spec"):
+    for col in ("id", "area", "bound", "kills (mutants)", "spec"):
         table.add_column(col)
     for c in rows:
-        table.add_row(escape(c.id), c.area, c.bound, escape(c.title))
+        table.add_row(escape(c.id), c.area, c.bound, escape(", ".join(sorted(kills.get(c.id, []))) or "—"),
+                      escape(c.title))
     _console().print(table)
     return EXIT_OK
 
@@ -250,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mutants", help="run the suite against every fault-injected engine")
     m.add_argument("--out", default="fp8rl-mutants", help="output directory (default ./fp8rl-mutants)")
     m.add_argument("--only", action="append", default=None, help="only this mutant (repeatable)")
-    m.add_argument("--list", action="store_true", help="list mutants and exit")
+    m.add_argument("--list", action="store_true", help="list mutants (with their declared killers) and exit")
+    m.add_argument("--matrix", default="declared", choices=MUTANT_MATRICES,
+                   help="run each mutant against its declared killers (default: fast, the contract), its area's "
+                        "checks (area) or every check (full: slow; finds new killers)")
     common(m)
     m.set_defaults(func=cmd_mutants)
 

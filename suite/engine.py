@@ -4,20 +4,9 @@ An engine is an object with a ``name``, a ``version()`` string, a ``capabilities
 capability key maps to ``True`` (available) or to a human-readable reason why it is not; a check that needs an
 unavailable capability is *skipped with that reason*, never passed.
 
-Capability keys (stable; later areas add theirs):
-
-========================  ====================================================================================
-``cast.<fmt>``            ``cast(x, fmt)`` for fmt in e4m3fn, e5m2, e4m3fnuz, e5m2fnuz (fp32 or bf16 → codes)
-``cast.bf16``             ``round_bf16(x)``: fp32 → bfloat16 (round to nearest even)
-``quantize.<kind>``       ``quantize(x, granularity)`` for kind in tensor, token, channel, group, block
-``gemm.block``            ``block_gemm(a, w, out_dtype)``: W8A8 GEMM of 1×G activations and B×B weights
-``gemm.tensor``           ``block_gemm`` with per-tensor scaled operands
-``gemm.row``              ``block_gemm`` with per-token activations and per-channel weights
-``kv.store`` …            added by the KV area (``kv.attention``, ``kv.calibrate``, ``kv.forward``,
-                          ``kv.update_scales``)
-``rollout_correction``    added by the correction area
-``weight_sync``/``rollout``  added by the weight-sync / e2e area
-========================  ====================================================================================
+Capability keys, their areas, the ops each gates and their meaning: :mod:`fp8rl.capabilities` (the one table).
+The protocol is split by area into mixins (:class:`CoreOps`: formats, quantization, GEMM; :class:`KVOps`;
+:class:`CorrectionOps`; :class:`RolloutOps`: weight sync and e2e); :class:`Engine` is all of them.
 
 The engine *declares* the numerics it implements, so that checks compare like with like:
 ``cast_overflow(fmt)`` names its overflow policy per format, and ``scale_policy(kind)`` returns the
@@ -32,27 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fp8rl.capabilities import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 CapabilityMap = dict[str, "bool | str"]
-
-ELEMENT_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
-GEMM_KINDS = ("block", "tensor", "row")
-
-
-#: capability-key prefix → the engine methods a check needing that capability calls. Used to prune the mutant
-#: matrix: a deterministic mutant that overrides none of a check's methods returns the reference's answers for it.
-#: Areas add their prefixes here; a prefix missing from this map is never pruned.
-CAPABILITY_OPS: dict[str, tuple[str, ...]] = {
-    "cast": ("cast", "cast_overflow", "round_bf16"),
-    "quantize": ("quantize", "scale_policy"),
-    "gemm": ("block_gemm",),
-    "weight_sync": ("weight_sync", "_weight_sync_recipe", "scale_policy"),
-    "rollout": ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy"),
-    "update_weights": ("update_weights",),
-}
 
 
 class Unsupported(Exception):
@@ -63,11 +36,9 @@ class EngineError(Exception):
     """The engine misbehaved (raised, returned the wrong shape/dtype/None/NaN): the check's outcome is ``error``."""
 
 
-class Engine:
-    """Base class (and documentation) of the engine protocol. Subclasses override what they support.
-
-    Every op not overridden raises :class:`Unsupported`; ``capabilities()`` must say so with a reason.
-    """
+class CoreOps:
+    """Identity, capabilities and declared numerics, and the ops of the formats, quantization and gemm areas
+    (capabilities ``cast.*``, ``quantize.*``, ``gemm.*``)."""
 
     name: str = "engine"
     #: engine-specific description shown by ``fp8rl engines``
@@ -110,13 +81,20 @@ class Engine:
         """y = dequant(a) @ dequant(w)ᵀ for a (M,K) activations and w (N,K) weights, returned in ``out_dtype``."""
         raise Unsupported(f"{self.name} has no block_gemm op")
 
-    # -- area kv: KV-cache ops (BEGIN kv section; only the KV area edits between these markers) ----------------
-    # Types live in fp8rl.reference.kv: KVPolicy, KVCache, KVScales, KVForward, MissingKVScales. Tensors are
-    # "BTHD": K/V [..., T, H, D], Q [B, Tq, Hq, D]. Capabilities: kv.store, kv.attention, kv.calibrate,
-    # kv.forward (kv_forward: the engine runs a layer's Q/K/V through its FP8 KV path with whatever scales it would
-    # use by itself, e.g. vLLM's default 1.0 for a checkpoint without k/v scales) and kv.update_scales
-    # (kv_update_scales; an engine declaring it also declares kv.forward: the checks of scales that change per RL
-    # step call both).
+
+class KVOps:
+    """Area ``kv``: the FP8 KV cache (capabilities ``kv.store``, ``kv.attention``, ``kv.calibrate``, ``kv.forward``,
+    ``kv.update_scales``).
+
+    Types live in fp8rl.reference.kv: KVPolicy, KVCache, KVScales, KVForward, MissingKVScales. Tensors are "BTHD":
+    K/V [..., T, H, D], Q [B, Tq, Hq, D]. ``kv_forward`` runs a layer's Q/K/V through the engine's FP8 KV path with
+    whatever scales it would use by itself (e.g. vLLM's default 1.0 for a checkpoint without k/v scales); an engine
+    declaring ``kv.update_scales`` also declares ``kv.forward``: the checks of scales that change per RL step call
+    both.
+    """
+
+    name: str
+
     def kv_policy(self, fmt: str, layout: str) -> Any:
         """Declared numerics (a ``KVPolicy``) of the FP8 KV cache in element format ``fmt`` ("e4m3fn", "e5m2")
         with scale ``layout`` ("tensor", "head", "token_head"): quant op (x/s or x·fl32(1/s)), clamp, overflow,
@@ -168,15 +146,15 @@ class Engine:
         silently use 1.0: raise ``MissingKVScales`` (or calibrate engine-side)."""
         raise Unsupported(f"{self.name} has no kv_forward op")
 
-    # -- END kv section -----------------------------------------------------------------------------------------
 
-    # -- area correction: rollout-correction ops (BEGIN correction section) -------------------------------------
-    #: Capability keys of this area:
-    #:   ``rollout_correction``           :meth:`rollout_correction` with rollout_is None/"token"/"sequence", TIS
-    #:                                    and IcePop thresholds, batch normalization, the 11 RS options
-    #:   ``rollout_correction.geometric`` rollout_is="geometric" (geometric-mean sequence weight)
-    #:   ``rollout_correction.veto``      the historical rollout_token_veto_threshold
-    #:   ``rollout_correction.loss``      :meth:`correction_loss`
+class CorrectionOps:
+    """Area ``correction``: rollout correction (capabilities ``rollout_correction``: rollout_is None/"token"/
+    "sequence", TIS and IcePop thresholds, batch normalization, the 11 RS options; ``rollout_correction.geometric``:
+    rollout_is="geometric"; ``rollout_correction.veto``: the historical rollout_token_veto_threshold;
+    ``rollout_correction.loss``: :meth:`correction_loss`)."""
+
+    name: str
+
     def rollout_correction(self, train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                            config: Any) -> Any:
         """Rollout correction for one batch: IS weights, rejection-sampling mask and mismatch metrics.
@@ -205,17 +183,21 @@ class Engine:
         """
         raise Unsupported(f"{self.name} has no correction_loss op")
 
-    # -- END correction section ---------------------------------------------------------------------------------
 
-    # -- area weight_sync / e2e: weight-sync and rollout ops (BEGIN e2e section) ----------------------------------
-    # Capability keys: ``weight_sync`` (:meth:`weight_sync`); ``rollout`` (:meth:`rollout_init`, :meth:`rollout`);
-    # ``update_weights`` (:meth:`update_weights`); ``rollout.<recipe>`` per numerics recipe: ``bf16``,
-    # ``fp8-linear`` (W8A8 blockwise linear layers: 128×128 weights, dynamic 1×128 activations), ``fp8-kv`` (FP8
-    # e4m3fn KV cache, per-tensor per-layer scales, storage only), ``fp8-all`` (both, plus an FP8 query: FP8
-    # attention). Models are given as an HF config dict and a BF16 state dict with HF *checkpoint* names (MoE
-    # experts unfused: ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), e.g.
-    # ``fp8rl.fixtures.tiny_model(name)``.
-    # Oracles: fp8rl.reference.weight_sync and fp8rl.reference.rollout.
+class RolloutOps:
+    """Areas ``weight_sync`` and ``e2e`` (capabilities ``weight_sync``, ``rollout``, ``update_weights``,
+    ``rollout.<recipe>``).
+
+    Recipes: ``bf16``, ``fp8-linear`` (W8A8 blockwise linear layers: 128×128 weights, dynamic 1×128 activations),
+    ``fp8-linear-ptpc`` (per-channel weights, per-token activations), ``fp8-kv`` (FP8 e4m3fn KV cache, per-tensor
+    per-layer scales, storage only), ``fp8-all`` (both, plus an FP8 query: FP8 attention). Models are given as an
+    HF config dict and a BF16 state dict with HF *checkpoint* names (MoE experts unfused:
+    ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), e.g. ``fp8rl.fixtures.tiny_model(name)``. Oracles:
+    fp8rl.reference.weight_sync and fp8rl.reference.rollout.
+    """
+
+    name: str
+
     def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
         """The tensors this engine's per-step weight sync loads, for a BF16 checkpoint-named ``state_dict``.
 
@@ -252,9 +234,12 @@ class Engine:
         recalibrated for them (or pushed): scales from the old weights are stale."""
         raise Unsupported(f"{self.name} has no update_weights op")
 
-    # -- END e2e section ----------------------------------------------------------------------------------------
 
-    # -- helpers ---------------------------------------------------------------------------------------------
+class Engine(CoreOps, KVOps, CorrectionOps, RolloutOps):
+    """Base class (and documentation) of the engine protocol: every area's ops. Subclasses override what they
+    support; every op not overridden raises :class:`Unsupported`, and ``capabilities()`` must say so with a
+    reason (keys: :mod:`fp8rl.capabilities`)."""
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version(), "capabilities": self.capabilities()}
 
@@ -301,3 +286,8 @@ def capability_reason(engine: Engine, key: str) -> str | None:
     if status is None or status is False:
         return f"engine {engine.name!r} does not declare capability {key!r}"
     return str(status)
+
+
+__all__ = ["ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
+           "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "import_failure",
+           "per_tensor_kv_input"]

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: Any) -> None:
@@ -145,7 +145,7 @@ def _print_tables(console: Any, result: Any, wall: float) -> None:
 def _write_report(result: Any, section: dict, out: Path, engine_name: str, started: str, wall: float,
                   seed: int) -> dict[str, Path]:
     import fp8rl
-    from fp8rl.plugin import environment
+    from fp8rl.environment import environment
     from fp8rl.reports import SCHEMA_VERSION, summarize, write_report
 
     report = {

@@ -12,7 +12,6 @@ shape/dtype/None/NaN or times out is ``error``; missing capabilities are ``skipp
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 import warnings
@@ -23,8 +22,9 @@ from typing import Any
 import pytest
 from fp8rl.checks import CURRENT_METRICS, CheckSpec
 from fp8rl.engine import EngineError
+from fp8rl.runner import MUTANT_MATRICES
+from fp8rl.strategies import RUN_PROFILES as PROFILES  # run profile → hypothesis profile
 
-PROFILES = {"ci": "ci", "full": "dev", "nightly": "nightly", "mutants": "mutants"}
 DEFAULT_ENGINE = "reference"
 
 
@@ -41,8 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fp8rl-report-dir", default=None, metavar="DIR", help="write report.json/junit/md/html here")
     group.addoption("--fp8rl-gpu-per-worker", action="store_true",
                     help="under pytest-xdist, pin each worker to one GPU (CUDA_VISIBLE_DEVICES = worker mod #GPUs)")
-    group.addoption("--fp8rl-mutant-matrix", default="area", choices=["area", "full"],
-                    help="mutant runs: check each mutant with its own area's checks (default) or every check")
+    group.addoption("--fp8rl-mutant-matrix", default="declared", choices=list(MUTANT_MATRICES),
+                    help="mutant engines run against: the checks each mutant declares as its killers (declared, "
+                         "the default), its area's checks (area), or every check (full)")
     group.addoption("--fp8rl-threads", default=1, type=int, metavar="N",
                     help="torch intra-op CPU threads during a conformance run (default 1: checks use small "
                          "tensors, and xdist provides the parallelism)")
@@ -123,15 +124,20 @@ def _item_engine(item: pytest.Item, config: pytest.Config) -> str:
     return engine_names(config)[0]
 
 
-def _deselect_other_areas(config: pytest.Config, items: list[pytest.Item], checks: list) -> list:
-    """For a mutant engine keep only the checks of the mutant's own area (``--fp8rl-mutant-matrix area``)."""
+def _deselect_for_mutants(config: pytest.Config, items: list[pytest.Item], checks: list, matrix: str) -> list:
+    """For a mutant engine keep only the checks the matrix selects: its declared killers (``declared``) or its
+    area's checks (``area``); other engines keep every check."""
     from fp8rl.mutants import MUTANTS
+
+    def wanted(name: str, spec: CheckSpec) -> bool:
+        mut = MUTANTS.get(name.split(":", 1)[1]) if name.startswith("mutant:") else None
+        if mut is None:
+            return True
+        return spec.id in mut.kills if matrix == "declared" else spec.area == mut.area
 
     keep, drop = [], []
     for it, spec in checks:
-        name = _item_engine(it, config)
-        mut = MUTANTS.get(name.split(":", 1)[1]) if name.startswith("mutant:") else None
-        (drop if mut is not None and mut.area != spec.area else keep).append((it, spec))
+        (keep if wanted(_item_engine(it, config), spec) else drop).append((it, spec))
     if drop:
         dropped = {id(it) for it, _ in drop}
         config.hook.pytest_deselected(items=[it for it, _ in drop])
@@ -166,8 +172,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     checks = [(it, s) for it, s in checks if s is not None]
     if not checks:
         return
-    if config.getoption("--fp8rl-mutant-matrix") == "area":
-        checks = _deselect_other_areas(config, items, checks)
+    matrix = config.getoption("--fp8rl-mutant-matrix")
+    if matrix != "full":
+        checks = _deselect_for_mutants(config, items, checks, matrix)
     state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
     for opt, marker in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
         path = config.getoption(opt)
@@ -350,24 +357,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     write_results(report, Path(out_dir))
 
 
-def environment() -> dict[str, str]:
-    """Python/torch/numpy/platform/device facts recorded in every report."""
-    import numpy
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    device = "cpu"
-    if torch.cuda.is_available():
-        device = f"cuda: {torch.cuda.get_device_name()}"
-    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-            "platform": platform.platform(), "device": device, "cpu": cpu, "cpu_count": str(os.cpu_count())}
-
-
-__all__ = ["PROFILES", "engine_names", "environment", "parse_id_file"]
+__all__ = ["PROFILES", "engine_names", "parse_id_file"]

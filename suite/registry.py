@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
+from fp8rl.capabilities import validate_declared
 from fp8rl.engine import Engine
 
 ENTRY_POINT_GROUP = "fp8rl.engines"
@@ -100,4 +101,14 @@ def load_engine(name: str) -> Engine:
     for attr in ("name", "capabilities", "version"):
         if not hasattr(engine, attr):
             raise EngineLoadError(f"engine {name!r}: object {engine!r} lacks {attr!r}; expected an fp8rl Engine")
+    for what in ("version", "capabilities"):
+        try:
+            value = getattr(engine, what)()
+        except Exception as exc:  # noqa: BLE001 - a broken engine is a load error, not a verdict
+            raise EngineLoadError(f"engine {name!r}: {what}() raised {type(exc).__name__}: {exc}") from exc
+        if what == "capabilities":
+            try:
+                validate_declared(name, value)
+            except ValueError as exc:
+                raise EngineLoadError(str(exc)) from None
     return engine

@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-EXIT_OK, EXIT_REGRESSED, EXIT_USAGE = 0, 1, 2
+from fp8rl.exitcodes import EXIT_FAIL as EXIT_REGRESSED
+from fp8rl.exitcodes import EXIT_OK, EXIT_USAGE
 
 
 def _load(path: str) -> dict:

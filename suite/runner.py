@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from importlib import resources
@@ -15,7 +14,9 @@ from typing import Any
 
 import fp8rl
 
-SCHEMA_VERSION = "1.0"
+#: which checks ``fp8rl mutants`` runs each mutant against (``--fp8rl-mutant-matrix``): its declared killers, its
+#: area's checks, or every check
+MUTANT_MATRICES = ("declared", "area", "full")
 
 
 def vendor_file(engine: str, kind: str) -> Path | None:
@@ -44,44 +45,57 @@ def _describe_engine(name: str) -> dict[str, Any]:
         return {"name": name, "version": "unloadable", "capabilities": {}, "load_error": str(exc)}
 
 
+def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: int, started_at: str,
+                    duration_s: float, command: list[str], checks: list[dict], warnings: list[str],
+                    sections: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A report dict of the published schema (``fp8rl/reports/report.schema.json``): the envelope every kind of
+    run shares, its checks and summary, and ``extra`` top-level fields of that kind (mutants: ``mutants``,
+    ``mutation_score``)."""
+    from fp8rl.environment import environment
+    from fp8rl.reports import SCHEMA_VERSION, summarize
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "suite": {"name": "fp8rl", "version": fp8rl.__version__},
+        "kind": kind,
+        "engine": engine,
+        "environment": environment(),
+        "profile": profile,
+        "seed": int(seed),
+        "started_at": started_at,
+        "duration_s": round(float(duration_s), 3),
+        "command": [str(c) for c in command],
+        "summary": summarize(checks),  # conformant iff no failed/error
+        "checks": checks,
+        "warnings": list(warnings),
+        "sections": sections,
+        **extra,
+    }
+
+
 def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], profile: str, seed: int,
                  started_at: str, duration_s: float, command: list[str], warnings: list[str]) -> list[dict]:
     """One report dict (the published schema) per engine, from the plugin's per-node results."""
-    from fp8rl.plugin import environment
-    from fp8rl.reports import summarize
+    from fp8rl.mutants import killers_by_check
 
-    env = environment()
+    kills = killers_by_check()
     reports = []
     for name in engines:
         checks = []
+        sections: dict[str, Any] = {}
         for r in results.values():
             if r["engine"] != name:
                 continue
             c = {k: r[k] for k in ("id", "area", "title", "nodeid", "case", "outcome", "message", "bound",
                                    "metrics")}
             c["duration_s"] = round(float(r["duration_s"]), 6)
+            c["kills"] = sorted(kills.get(r["id"], []))
             checks.append(c)
+            sections.update(r.get("sections", {}))
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))
-        sections: dict[str, Any] = {}
-        for r in results.values():
-            if r["engine"] == name:
-                sections.update(r.get("sections", {}))
-        reports.append({
-            "schema_version": SCHEMA_VERSION,
-            "suite": {"name": "fp8rl", "version": fp8rl.__version__},
-            "kind": "conformance",
-            "engine": _describe_engine(name),
-            "environment": env,
-            "profile": profile,
-            "seed": int(seed),
-            "started_at": started_at,
-            "duration_s": round(duration_s, 3),
-            "command": [str(c) for c in command],
-            "summary": summarize(checks),  # fp8rl.reports.summarize: conformant iff no failed/error
-            "checks": checks,
-            "warnings": list(warnings),
-            "sections": sections,
-        })
+        reports.append(report_document(kind="conformance", engine=_describe_engine(name), profile=profile,
+                                       seed=seed, started_at=started_at, duration_s=duration_s, command=command,
+                                       checks=checks, warnings=warnings, sections=sections))
     return reports
 
 
@@ -134,6 +148,3 @@ def run_pytest(args: list[str]) -> int:
 
     return int(pytest.main(args))
 
-
-def load_report(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

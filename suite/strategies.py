@@ -21,7 +21,7 @@ from functools import cache
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import ELEMENT_FORMATS, decode_codes, get_format
+from fp8rl.reference.formats import decode_codes, get_format
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import PRESETS
 from fp8rl.reference.quant import Granularity, expand_scale
@@ -31,13 +31,15 @@ from hypothesis.extra import numpy as hnp
 
 __all__ = [
     "CI_MAX_EXAMPLES", "PROFILE_ENV", "PROFILE_NAMES", "amax_near_pow2_boundaries", "block_shapes",
-    "blocks_with_zero_block", "element_formats", "fp8_edge_values", "fp8_midpoints", "fp8_values",
+    "blocks_with_zero_block", "fp8_edge_values",
     "fp32_near_fp8", "granularities", "load_profile", "load_profile_from_env", "register_profiles",
     "scale_policies", "scales", "tensors",
 ]
 
 PROFILE_ENV = "FP8RL_HYPOTHESIS_PROFILE"
 PROFILE_NAMES: tuple[str, ...] = ("ci", "dev", "nightly", "mutants")
+#: fp8rl's run profiles (``--profile`` / ``--fp8rl-profile``) → the hypothesis profile each loads
+RUN_PROFILES: dict[str, str] = {"ci": "ci", "full": "dev", "nightly": "nightly", "mutants": "mutants"}
 CI_MAX_EXAMPLES = 25
 
 _f32 = np.float32
@@ -77,11 +79,6 @@ def load_profile_from_env(default: str | None = None) -> str:
 # Scalar values
 
 
-def element_formats() -> st.SearchStrategy[str]:
-    """One of the element formats (e4m3fn, e5m2, e4m3fnuz, e5m2fnuz)."""
-    return st.sampled_from(ELEMENT_FORMATS)
-
-
 @cache
 def _positive_values(fmt: str) -> tuple[float, ...]:
     """Every finite positive value of ``fmt``, ascending."""
@@ -111,22 +108,6 @@ def _midpoints(fmt: str) -> tuple[float, ...]:
     mids.append(pos[-1] + 0.5 * top_ulp)  # the overflow midpoint (464 for e4m3fn): RNE keeps max
     assert all(float(_f32(m)) == m for m in mids), f"{f.name}: midpoints must be fp32-exact"
     return tuple(mids)
-
-
-def fp8_values(fmt: str, *, signed: bool = True) -> st.SearchStrategy[float]:
-    """Exactly representable finite values of ``fmt`` (including ±0 where the format has -0)."""
-    pos = list(_positive_values(fmt))
-    vals = [0.0] + (_signed(pos) if signed else pos)
-    if signed and get_format(fmt).nan_encoding != "neg_zero":
-        vals.append(-0.0)
-    return st.sampled_from(vals)
-
-
-def fp8_midpoints(fmt: str, *, signed: bool = True) -> st.SearchStrategy[float]:
-    """Exact midpoints between adjacent values of ``fmt`` (RNE ties), incl. 0↔min_subnormal and the overflow
-    midpoint max + ulp/2."""
-    mids = list(_midpoints(fmt))
-    return st.sampled_from(_signed(mids) if signed else mids)
 
 
 @cache

@@ -159,7 +159,7 @@ UE8M0_CEIL_LOG2_OVERSHOOT = _register(
     "pow2='ceil_log2' computes 2^ceil(fl(log2 s)) in fp32. When fl(log2 s) rounds to an integer k while s > 2^k "
     "the scale is rounded *down*: with log2 accurate to 1 ulp, that needs log2 s − k ≤ ulp(k) ≤ 2^-16 (|log2 s| "
     "< 256 for any fp32 s), so s/2^k ≤ 2^(2^-16) < 1 + 2^-16 and |x/s| ≤ T·(1 + 2^-16) before the clamp "
-    "(engines.md §7 measures s = 2^-8·(1+2^-23) → 2^-8).",
+    "(docs/engine-numerics.md §7 measures s = 2^-8·(1+2^-23) → 2^-8).",
 )
 
 # ---- GEMM --------------------------------------------------------------------------------------------------------
@@ -842,6 +842,17 @@ for (_model, _recipe), _stats in E2E_MEASURED.items():
                   f"{_s[0]:.4g}/{_s[1]:.4g}/{_s[2]:.4g} over {_n} reference-emulation runs (calibration "
                   f"{_calibration_line(_cal)}), margin {E2E_MARGINS[_metric]} (see 'e2e_mismatch'; data: "
                   f"fp8rl/{E2E_BUDGETS_FILE}).")
+
+
+ROLLOUT_LOGPROB_SLACK = _register(
+    "rollout_logprob_slack",
+    1e-4,
+    "Largest positive log-prob a rollout may report (a log-prob is ≤ 0). An engine computes log π(a) = x_a − "
+    "logsumexp(x) in fp32; for a near-certain token the exact value is ≈ 0⁻ and the subtraction of two nearly equal "
+    "fp32 numbers of magnitude |lse| rounds with error ≤ u32·|lse| = 2^-24·|lse| (6e-6 for |lse| ≤ 100). Value "
+    "1e-4: that rounding for |lse| ≤ 1600, far beyond the tiny fixtures' logit range; a log-prob above it (or "
+    "non-finite) is an engine error, not a verdict on its numerics.",
+)
 
 
 def e2e_budget(metric: str, model: str, recipe: str) -> float:

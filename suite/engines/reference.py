@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import fp8rl
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine
+from fp8rl import capabilities
+from fp8rl.engine import ELEMENT_FORMATS, QUANT_KINDS, CapabilityMap, Engine
 from fp8rl.reference import formats
 from fp8rl.reference.gemm import block_gemm_exact
 from fp8rl.reference.policy import ScalePolicy
@@ -49,12 +50,10 @@ class ReferenceEngine(Engine):
         return f"fp8rl {fp8rl.__version__}"
 
     def capabilities(self) -> CapabilityMap:
-        caps: CapabilityMap = {f"cast.{f}": True for f in ELEMENT_FORMATS}
-        caps["cast.bf16"] = True
-        caps.update({f"quantize.{k}": True for k in QUANT_KINDS})
-        caps.update({f"gemm.{k}": True for k in GEMM_KINDS})
-        caps.update(self._caps_kv())
-        caps.update(self._caps_correction())
+        """Every capability of the table; rollouts need transformers (the reason otherwise)."""
+        caps: CapabilityMap = {}
+        for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync"):
+            caps.update(capabilities.all_of(area))
         caps.update(self._caps_e2e())
         return caps
 
@@ -79,15 +78,11 @@ class ReferenceEngine(Engine):
     def block_gemm(self, a: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         return block_gemm_exact(a, w).to(out_dtype)
 
-    # -- area kv (BEGIN kv section; only the KV area edits between these markers) --------------------------------
+    # -- area kv ---------------------------------------------------------------------------------------------------
     # The oracle's FP8 KV cache (fp8rl.reference.kv): vLLM-CUDA numerics (x/s, saturating, RNE) for static
     # layouts, vLLM fp8_per_token_head (x·(1/s), clamp, floor 1e-6) for "token_head"; Q quantized x·(1/s).
     # Model-level state: per layer, the pushed KVScales, or None = "recalibrate engine-side (strategy A) on the
     # next kv_forward"; a layer never given scales raises MissingKVScales instead of using 1.0.
-    def _caps_kv(self) -> CapabilityMap:
-        return {"kv.store": True, "kv.attention": True, "kv.calibrate": True, "kv.forward": True,
-                "kv.update_scales": True}
-
     def kv_policy(self, fmt: str, layout: str):
         from fp8rl.reference import kv as kvref
 
@@ -154,13 +149,7 @@ class ReferenceEngine(Engine):
                                 q_lengths=q_lengths, kv_lengths=kv_lengths, sm_scale=sm_scale)
         return kvref.KVForward(out, kc, vc, s)
 
-    # -- END kv section ---------------------------------------------------------------------------------------------
-
-    # -- area correction (BEGIN correction section) -----------------------------------------------------------------
-    def _caps_correction(self) -> CapabilityMap:
-        return {"rollout_correction": True, "rollout_correction.geometric": True, "rollout_correction.veto": True,
-                "rollout_correction.loss": True}
-
+    # -- area correction -------------------------------------------------------------------------------------------
     def rollout_correction(self, train_logp, rollout_logp, mask, config):
         from fp8rl.reference import correction
 
@@ -171,9 +160,7 @@ class ReferenceEngine(Engine):
 
         return correction.policy_loss(logp, old_logp, advantages, mask, weights, config).to(logp.dtype)
 
-    # -- END correction section -------------------------------------------------------------------------------------
-
-    # -- area weight_sync / e2e (BEGIN e2e section) -----------------------------------------------------------------
+    # -- areas weight_sync and e2e ----------------------------------------------------------------------------------
     # weight_sync: fp8rl.reference.weight_sync (the oracle's block quantizer) under the declared
     # scale_policy("block"); an engine with its own weight-sync kernel overrides weight_sync (or
     # _weight_sync_recipe for other filters/block sizes). Rollouts: fp8rl.reference.rollout.RolloutPolicy
@@ -185,16 +172,9 @@ class ReferenceEngine(Engine):
     _E2E_SYNC_MEMO: dict = {}
 
     def _caps_e2e(self) -> CapabilityMap:
-        from fp8rl.reference.rollout import RECIPES
         from fp8rl.reference.rollout_hf import transformers_reason
 
-        caps: CapabilityMap = {"weight_sync": True}
-        reason = transformers_reason()
-        status: bool | str = True if reason is None else reason
-        caps["rollout"] = status
-        caps["update_weights"] = status
-        caps.update({f"rollout.{r}": status for r in RECIPES})
-        return caps
+        return capabilities.all_of("e2e", transformers_reason() or True)
 
     def _weight_sync_recipe(self):
         from fp8rl.reference.weight_sync import WeightSyncRecipe
@@ -236,4 +216,3 @@ class ReferenceEngine(Engine):
         handle.update_weights(state_dict, synced=synced)
         return handle
 
-    # -- END e2e section --------------------------------------------------------------------------------------------

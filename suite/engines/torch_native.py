@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine, Unsupported
+from fp8rl import capabilities
+from fp8rl.engine import CapabilityMap, Engine, Unsupported
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -60,25 +61,17 @@ class TorchEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         reason = self._device_reason()
         if reason:
-            keys = [f"cast.{f}" for f in ELEMENT_FORMATS] + [f"quantize.{k}" for k in QUANT_KINDS]
-            keys += [f"gemm.{k}" for k in GEMM_KINDS]
-            return dict.fromkeys(keys, reason)
+            return {k: reason for area in ("formats", "quantization", "gemm") for k in capabilities.keys(area)}
         caps: CapabilityMap = {}
         for f, dt in _TORCH_FP8.items():
             caps[f"cast.{f}"] = True if hasattr(torch, dt) else f"torch {torch.__version__} has no torch.{dt}"
         caps["cast.bf16"] = True
-        caps.update({f"quantize.{k}": True for k in QUANT_KINDS})
-        caps["gemm.tensor"] = True
-        caps["gemm.row"] = True
-        caps["gemm.block"] = True
-        caps.update(self._caps_kv())
+        caps.update(capabilities.all_of("quantization"))
+        caps.update(capabilities.all_of("gemm"))
+        sdpa = hasattr(torch.nn.functional, "scaled_dot_product_attention")
+        caps.update(capabilities.all_of("kv", True if sdpa else f"torch {torch.__version__} has no "
+                                                                "scaled_dot_product_attention"))
         return caps
-
-    def _caps_kv(self) -> CapabilityMap:
-        keys = ("kv.store", "kv.attention", "kv.calibrate", "kv.forward", "kv.update_scales")
-        if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
-            return dict.fromkeys(keys, f"torch {torch.__version__} has no scaled_dot_product_attention")
-        return dict.fromkeys(keys, True)
 
     def cast_overflow(self, fmt: str) -> str:
         return _CAST_OVERFLOW[fmt]
@@ -145,7 +138,7 @@ class TorchEngine(Engine):
         w32 = w8.float() * _expand(w.scale.to(self.device), w.granularity, w.codes.shape)
         return (a32 @ w32.t()).to(out_dtype).cpu()
 
-    # -- area kv (BEGIN kv section; only the KV area edits between these markers) --------------------------------
+    # -- area kv ---------------------------------------------------------------------------------------------------
     # A framework-style FP8 KV cache written with torch ops only (no oracle code): store y = x / s (x · (1/s) for
     # per-token-head scales), clamp to ±max, torch's fp8 cast; load codes.view(fp8).float() · s; attention =
     # torch.nn.functional.scaled_dot_product_attention in fp32 (enable_gqa) on the dequantized operands, Q
@@ -298,7 +291,6 @@ class TorchEngine(Engine):
                                 sm_scale=sm_scale)
         return KVForward(out, kc, vc, s)
 
-    # -- END kv section ---------------------------------------------------------------------------------------------
 
 
 def _expand(scale: torch.Tensor, g: Granularity, shape: torch.Size) -> torch.Tensor:

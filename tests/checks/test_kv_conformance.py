@@ -1,10 +1,7 @@
-"""The KV conformance area end to end: reference and torch pass it, and every KV mutant is killed.
-
-* One pytest run of ``fp8rl.conformance`` (``-k test_kv``) with both engines side by side through the real plugin:
-  every KV check passes for both, and the report carries the ``kv_drift`` section with its table and plots.
-* The kill matrix: each mutant is run, in process, through the checks that must kill it (and the reference
-  engine through the same calls, which must pass). The full cross product is ``fp8rl mutants --area kv``.
-"""
+"""The KV conformance area end to end: one pytest run of ``fp8rl.conformance`` (``-k test_kv``) with the reference
+and torch engines side by side through the real plugin: every KV check passes for both, and the report carries the
+``kv_drift`` section with its table and plots. (Which mutant each KV check kills: ``suite/mutants/kv.py``, proven by
+tests/checks/test_mutants.py.)"""
 
 from __future__ import annotations
 
@@ -13,14 +10,7 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-import pytest
-import torch
-from fp8rl.checks import CHECKS, GuardedEngine
-from fp8rl.conformance import test_kv as kvchecks
-from fp8rl.engine import EngineError
-from fp8rl.engines.reference import ReferenceEngine
-from fp8rl.mutants import MUTANTS, make_mutant
+from fp8rl.checks import all_checks
 from fp8rl.tolerances import TOLERANCES
 from support import REPO_ROOT
 
@@ -32,62 +22,10 @@ KV_CHECK_IDS = {
     "KV-UPDATE-002", "KV-DEFAULT-001", "KV-DRIFT-001",
 }
 
-#: mutant → the check calls (function name, kwargs) that must each fail for it
-KILLS: dict[str, list[tuple[str, dict]]] = {
-    "kv-stale-scales": [("test_kv_update_pushed_scales", {"fmt": "e4m3fn", "layout": "tensor", "seed": 3}),
-                        ("test_kv_update_engine_side_reset", {"fmt": "e5m2", "seed": 3})],
-    "kv-scale-one": [("test_kv_default_scale_flagged", {"fmt": "e4m3fn"}),
-                     ("test_kv_update_pushed_scales", {"fmt": "e5m2", "layout": "head", "seed": 1})],
-    "kv-q-scale-ignored": [("test_kv_attention_vs_oracle_bound", {"fmt": "e4m3fn", "layout": "tensor",
-                                                                  "case": "prefill-gqa"}),
-                           ("test_kv_attention_vs_unquantized_bound", {"fmt": "e5m2", "layout": "head"})],
-    "kv-per-tensor-scale": [("test_kv_store_random_exact", {"fmt": "e4m3fn", "layout": "head"}),
-                            ("test_kv_store_edge_values_exact", {"fmt": "e5m2", "layout": "head"})],
-    "kv-no-clamp": [("test_kv_store_saturates_no_nonfinite", {"fmt": "e4m3fn", "layout": "tensor"}),
-                    ("test_kv_store_saturates_no_nonfinite", {"fmt": "e5m2", "layout": "head"}),
-                    ("test_kv_store_edge_values_exact", {"fmt": "e4m3fn", "layout": "tensor"})],
-    "kv-truncating-store": [("test_kv_store_random_exact", {"fmt": "e4m3fn", "layout": "token_head"}),
-                            ("test_kv_store_roundtrip_bound", {"fmt": "e5m2", "layout": "tensor"})],
-    "kv-swapped-vk-constants": [("test_kv_calibrate_engine_first_batch_exact", {"fmt": "e4m3fn"}),
-                                ("test_kv_update_engine_side_reset", {"fmt": "e4m3fn", "seed": 5})],
-    "kv-p999-as-max": [("test_kv_calibrate_trainer_p999_exact", {"fmt": "e4m3fn"})],
-    "kv-head-amax-pooled": [("test_kv_calibrate_amax_exact", {"fmt": "e5m2", "layout": "head"})],
-    "kv-reads-past-kv-len": [("test_kv_attention_padding_exact", {"fmt": "e4m3fn"}),
-                             ("test_kv_attention_vs_oracle_bound", {"fmt": "e5m2", "layout": "token_head",
-                                                                    "case": "varlen-causal"})],
-}
-
-
-def _call(engine, fn_name: str, kwargs: dict) -> None:
-    fn = getattr(kvchecks, fn_name)
-    args = dict(kwargs)
-    if "rng" in fn.__code__.co_varnames[: fn.__code__.co_argcount]:
-        args["rng"] = np.random.default_rng(1234)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fn(engine=GuardedEngine(engine), **args)
-    finally:
-        torch.set_num_threads(n)
-
-
-def test_every_kv_mutant_is_registered_and_covered():
-    kv_mutants = {n for n, m in MUTANTS.items() if m.area == "kv"}
-    assert kv_mutants == set(KILLS)
-
-
 def test_kv_checks_registered_with_known_bounds():
-    kv = {cid: spec for cid, spec in CHECKS.items() if spec.area == "kv"}
+    kv = {cid: spec for cid, spec in all_checks().items() if spec.area == "kv"}
     assert set(kv) == KV_CHECK_IDS
-    assert all(spec.bound in TOLERANCES for spec in kv.values())
-
-
-@pytest.mark.parametrize("mutant", sorted(KILLS))
-def test_mutant_killed_by_its_checks(mutant):
-    for fn_name, kwargs in KILLS[mutant]:
-        _call(ReferenceEngine(), fn_name, kwargs)  # the reference passes the very same call
-        with pytest.raises((AssertionError, EngineError)):
-            _call(make_mutant(mutant), fn_name, kwargs)
+    assert all(b in TOLERANCES for spec in kv.values() for b in spec.bounds)
 
 
 def test_reference_and_torch_pass_kv_area(tmp_path):

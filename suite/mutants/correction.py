@@ -1,7 +1,6 @@
 """Rollout-correction mutants: the reference engine with one realistic IS/RS bug each (area ``correction``).
 
-Imported by :mod:`fp8rl.mutants` (and by ``conformance/test_correction.py``) so that they register with the
-``@mutant`` decorator. Most mutants run the oracle with one of its module-level helpers swapped for a buggy one
+Most mutants run the oracle with one of its module-level helpers swapped for a buggy one
 (the oracle looks its helpers up at call time), which is how such bugs arise in real code: one wrong line.
 """
 
@@ -14,8 +13,9 @@ from dataclasses import replace
 
 import torch
 from fp8rl.engines.reference import ReferenceEngine
-from fp8rl.mutants import mutant
 from fp8rl.reference import correction as C
+
+from ._base import mutant
 
 
 @contextlib.contextmanager
@@ -43,13 +43,17 @@ class _CorrectionMutant(ReferenceEngine):
 
 
 @mutant("corr-inverted-ratio", "IS ratio inverted: ρ = π_rollout/π_train (δ = log π_rollout − log π_train)",
-        "correction")
+        kills=("CORR-EDGE-001", "CORR-GEO-001", "CORR-MET-001", "CORR-MET-002", "CORR-MET-003", "CORR-MIS-001",
+               "CORR-MIS-002", "CORR-NORM-001", "CORR-NORM-002", "CORR-RS-001", "CORR-RS-003", "CORR-RS-004",
+               "CORR-RS-005", "CORR-RS-006", "CORR-STAT-001", "CORR-TIS-001", "CORR-TIS-003", "CORR-TIS-004"))
 class InvertedRatio(ReferenceEngine):
     def rollout_correction(self, train_logp, rollout_logp, mask, config):
         return C.rollout_correction(rollout_logp, train_logp, mask, config)
 
 
-@mutant("corr-no-truncation", "TIS weights not truncated at U (w = ρ)", "correction")
+@mutant("corr-no-truncation", "TIS weights not truncated at U (w = ρ)",
+        kills=("CORR-EDGE-001", "CORR-GEO-001", "CORR-NORM-001", "CORR-RS-006", "CORR-TIS-001", "CORR-TIS-002",
+               "CORR-TIS-003", "CORR-TIS-004"))
 class NoTruncation(ReferenceEngine):
     def rollout_correction(self, train_logp, rollout_logp, mask, config):
         if config.rollout_is is None or config.icepop:
@@ -61,7 +65,8 @@ class NoTruncation(ReferenceEngine):
 
 
 @mutant("corr-two-sided-clamp", "TIS clamps weights to [1/U, U] instead of truncating from above only",
-        "correction")
+        kills=("CORR-EDGE-001", "CORR-GEO-001", "CORR-MET-002", "CORR-NORM-001", "CORR-NORM-002", "CORR-RS-006",
+               "CORR-TIS-001", "CORR-TIS-003", "CORR-TIS-004"))
 class TwoSidedClamp(_CorrectionMutant):
     def _patches(self):
         orig = C.is_weights
@@ -82,7 +87,10 @@ class TwoSidedClamp(_CorrectionMutant):
 
 
 @mutant("corr-padding-in-means", "metric means taken over all B·T positions (padding zero-filled) instead of the "
-        "valid tokens", "correction")
+        "valid tokens",
+        kills=("CORR-GEO-001", "CORR-ID-001", "CORR-MET-001", "CORR-MET-002", "CORR-MET-003", "CORR-MET-005",
+               "CORR-NORM-001", "CORR-NORM-002", "CORR-PAD-001", "CORR-PAD-003", "CORR-RS-001", "CORR-RS-002",
+               "CORR-RS-003", "CORR-RS-004"))
 class PaddingInMeans(_CorrectionMutant):
     def _patches(self):
         def _mm(x, m):
@@ -95,7 +103,8 @@ class PaddingInMeans(_CorrectionMutant):
 
 
 @mutant("corr-seq-sum-of-ratios", "sequence IS weight computed as the sum of token ratios instead of their product",
-        "correction")
+        kills=("CORR-EDGE-001", "CORR-ID-001", "CORR-MET-002", "CORR-MIS-002", "CORR-NORM-002", "CORR-TIS-003",
+               "CORR-TIS-004"))
 class SeqSumOfRatios(_CorrectionMutant):
     def _patches(self):
         orig = C.raw_log_weights
@@ -111,7 +120,7 @@ class SeqSumOfRatios(_CorrectionMutant):
 
 
 @mutant("corr-weights-not-detached", "IS weights keep the autograd graph of log π_train (missing .detach())",
-        "correction")
+        kills=("CORR-GRAD-001",))
 class WeightsNotDetached(ReferenceEngine):
     def rollout_correction(self, train_logp, rollout_logp, mask, config):
         res = C.rollout_correction(train_logp, rollout_logp, mask, config)
@@ -123,14 +132,14 @@ class WeightsNotDetached(ReferenceEngine):
 
 
 @mutant("corr-no-safety-clamp", "no ±20 clamp on log-ratios before exp (overflow to inf, RS statistics unclamped)",
-        "correction")
+        kills=("CORR-EDGE-001",))
 class NoSafetyClamp(_CorrectionMutant):
     def _patches(self):
         return {"SAFETY_BOUND": math.inf}
 
 
 @mutant("corr-k3-wrong-sign", "k3 computed with the inverse ratio: e^{-δ} − 1 + δ (KL metric and RS statistic)",
-        "correction")
+        kills=("CORR-MET-001", "CORR-MET-003", "CORR-RS-001", "CORR-RS-004", "CORR-RS-005", "CORR-STAT-001"))
 class K3WrongSign(_CorrectionMutant):
     def _patches(self):
         orig = C.rs_token_stats
@@ -151,7 +160,9 @@ class K3WrongSign(_CorrectionMutant):
         return res
 
 
-@mutant("corr-rs-on-weights", "rejection sampling zeroes the IS weights instead of the mask", "correction")
+@mutant("corr-rs-on-weights", "rejection sampling zeroes the IS weights instead of the mask",
+        kills=("CORR-EDGE-001", "CORR-RS-001", "CORR-RS-002", "CORR-RS-003", "CORR-RS-004", "CORR-RS-005",
+               "CORR-RS-006"))
 class RsOnWeights(ReferenceEngine):
     def rollout_correction(self, train_logp, rollout_logp, mask, config):
         res = C.rollout_correction(train_logp, rollout_logp, mask, config)
@@ -161,7 +172,8 @@ class RsOnWeights(ReferenceEngine):
         return res
 
 
-@mutant("corr-batch-norm-padding", "batch normalization averages over padded positions too", "correction")
+@mutant("corr-batch-norm-padding", "batch normalization averages over padded positions too",
+        kills=("CORR-GEO-001", "CORR-MET-002", "CORR-NORM-001", "CORR-NORM-002", "CORR-PAD-003"))
 class BatchNormPadding(_CorrectionMutant):
     def _patches(self):
         def batch_norm_factor(w, m, level):

@@ -1,34 +1,31 @@
 """KV-cache mutants: the reference engine with one realistic FP8 KV-cache bug each (area ``kv``).
 
 Each mutant keeps the reference engine's *declared* numerics (``kv_policy``), so it cannot escape a check by
-declaring its bug. Imported for its side effect (registration in ``fp8rl.mutants.MUTANTS``).
+declaring its bug. Where each bug class has happened:
 
-=========================  ============================================================================  ====================
-mutant                     bug (where it has happened)                                                   killed by (measured)
-=========================  ============================================================================  ====================
-kv-stale-scales            scales never recalibrated after a weight update (vLLM computes them once;     KV-UPDATE-001/002,
-                           verl had to reset ``calculate_kv_scales`` every step; stale host copies)      KV-DRIFT-001
-kv-scale-one               default scale 1.0 (BF16 checkpoint + ``--kv-cache-dtype fp8``: no loadable   KV-DEFAULT-001,
-                           k/v/q scale parameters, pushed scales silently dropped)                     KV-UPDATE-001/002
-kv-q-scale-ignored         FP8 attention quantizes Q with q_scale but never applies the q descale       KV-ATTN-001/003,
-                                                                                                        KV-UPDATE-001/002,
-                                                                                                        KV-DRIFT-001
-kv-per-tensor-scale        per-head layout stored with one per-tensor scale (engines that accept        KV-STORE-001/002/
-                           per-tensor scalars only reduce per-head checkpoint scales with max)          003/005, UPDATE-001
-kv-no-clamp                store casts x/s without clamp or saturating convert (SGLang                  KV-STORE-001…005,
-                           ``set_kv_buffer`` relies on the torch cast: NaN in e4m3fn before torch 2.12,  KV-DRIFT-001
+=========================  ============================================================================
+mutant                     bug (where it has happened)
+=========================  ============================================================================
+kv-stale-scales            scales never recalibrated after a weight update (vLLM computes them once;
+                           verl had to reset ``calculate_kv_scales`` every step; stale host copies)
+kv-scale-one               default scale 1.0 (BF16 checkpoint + ``--kv-cache-dtype fp8``: no loadable
+                           k/v/q scale parameters, pushed scales silently dropped)
+kv-q-scale-ignored         FP8 attention quantizes Q with q_scale but never applies the q descale
+kv-per-tensor-scale        per-head layout stored with one per-tensor scale (engines that accept
+                           per-tensor scalars only reduce per-head checkpoint scales with max)
+kv-no-clamp                store casts x/s without clamp or saturating convert (SGLang
+                           ``set_kv_buffer`` relies on the torch cast: NaN in e4m3fn before torch 2.12,
                            inf in e5m2)
-kv-truncating-store        store truncates x/s toward zero instead of round-to-nearest-even             KV-STORE-001/002/
-                                                                                                        004/005,
-                                                                                                        KV-UPDATE-001/002
-kv-swapped-vk-constants    engine-side calibration divides K by V's constant (100) and V by K's (200)   KV-CAL-001,
-                                                                                                        KV-UPDATE-002
-kv-p999-as-max             trainer-side calibration takes the max of the micro-batch amaxes instead of  KV-CAL-002
+kv-truncating-store        store truncates x/s toward zero instead of round-to-nearest-even
+kv-swapped-vk-constants    engine-side calibration divides K by V's constant (100) and V by K's (200)
+kv-p999-as-max             trainer-side calibration takes the max of the micro-batch amaxes instead of
                            the 99.9th percentile (one outlier batch sets the scale)
-kv-head-amax-pooled        per-head amax calibration pools all heads (one amax broadcast to every head)  KV-CAL-003
-kv-reads-past-kv-len       attention multiplies masked-out cache slots by p = 0, so NaN garbage past     KV-ATTN-001/002
+kv-head-amax-pooled        per-head amax calibration pools all heads (one amax broadcast to every head)
+kv-reads-past-kv-len       attention multiplies masked-out cache slots by p = 0, so NaN garbage past
                            kv_len poisons the sequence (torch SDPA with a bool mask does exactly this)
-=========================  ============================================================================  ====================
+=========================  ============================================================================
+
+The checks that kill each one are declared with the mutant (``kills=``); ``fp8rl checks`` shows them per check.
 """
 
 from __future__ import annotations
@@ -38,15 +35,15 @@ from dataclasses import replace
 import numpy as np
 import torch
 from fp8rl.engines.reference import ReferenceEngine
-from fp8rl.mutants import mutant
 from fp8rl.reference import kv as kvref
 from fp8rl.reference.formats import decode_codes, encode_codes, get_format
 
-AREA = "kv"
+from ._base import mutant
 
 
 @mutant("kv-stale-scales", "KV scales never recalibrated: after a layer's first scales (pushed or calibrated), "
-        "later pushes and resets are accepted but ignored (step-0 scales kept)", AREA)
+        "later pushes and resets are accepted but ignored (step-0 scales kept)",
+        kills=("KV-DRIFT-001", "KV-UPDATE-001", "KV-UPDATE-002"))
 class KVStaleScales(ReferenceEngine):
     def kv_update_scales(self, layer, scales):
         layers = self._kv_layers()
@@ -56,7 +53,8 @@ class KVStaleScales(ReferenceEngine):
 
 
 @mutant("kv-scale-one", "FP8 KV layer runs with the default scale 1.0 for Q, K and V: pushed scales are silently "
-        "dropped and a never-calibrated layer is not refused", AREA)
+        "dropped and a never-calibrated layer is not refused",
+        kills=("KV-DEFAULT-001", "KV-UPDATE-001", "KV-UPDATE-002"))
 class KVScaleOne(ReferenceEngine):
     def _kv_current_scales(self, layer, q, k, v, layout):
         shape = (int(k.shape[-2]),) if layout == "head" else ()
@@ -64,7 +62,7 @@ class KVScaleOne(ReferenceEngine):
 
 
 @mutant("kv-q-scale-ignored", "FP8 attention quantizes Q with q_scale but never applies the q descale (scores "
-        "scaled by 1/q_scale)", AREA)
+        "scaled by 1/q_scale)", kills=("KV-ATTN-001", "KV-ATTN-003", "KV-UPDATE-001", "KV-UPDATE-002"))
 class KVQScaleIgnored(ReferenceEngine):
     def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
                      sm_scale=None):
@@ -78,7 +76,8 @@ class KVQScaleIgnored(ReferenceEngine):
         return out.float()
 
 
-@mutant("kv-per-tensor-scale", "per-head KV scales reduced to one per-tensor scale (their max) in the store", AREA)
+@mutant("kv-per-tensor-scale", "per-head KV scales reduced to one per-tensor scale (their max) in the store",
+        kills=("KV-STORE-001", "KV-STORE-002", "KV-STORE-003", "KV-STORE-005", "KV-UPDATE-001"))
 class KVPerTensorScale(ReferenceEngine):
     def kv_store(self, x, scale, *, fmt, layout):
         if layout != "head" or scale is None:
@@ -90,7 +89,8 @@ class KVPerTensorScale(ReferenceEngine):
 
 
 @mutant("kv-no-clamp", "KV store casts x/s without clamping while declaring saturation: overflow becomes NaN "
-        "(e4m3fn) or inf (e5m2)", AREA)
+        "(e4m3fn) or inf (e5m2)",
+        kills=("KV-STORE-001", "KV-STORE-002", "KV-STORE-003", "KV-STORE-004", "KV-STORE-005"))
 class KVNoClamp(ReferenceEngine):
     def kv_store(self, x, scale, *, fmt, layout):
         declared = self.kv_policy(fmt, layout)
@@ -109,7 +109,8 @@ def _truncate_toward_zero(y: np.ndarray, codes: np.ndarray, fmt: str) -> np.ndar
     return np.where(over, stepped, codes)
 
 
-@mutant("kv-truncating-store", "KV store rounds x/s toward zero (truncation) instead of to nearest even", AREA)
+@mutant("kv-truncating-store", "KV store rounds x/s toward zero (truncation) instead of to nearest even",
+        kills=("KV-STORE-001", "KV-STORE-002", "KV-STORE-004", "KV-STORE-005", "KV-UPDATE-001", "KV-UPDATE-002"))
 class KVTruncatingStore(ReferenceEngine):
     def kv_store(self, x, scale, *, fmt, layout):
         pol = self.kv_policy(fmt, layout)
@@ -124,7 +125,7 @@ _SWAPPED = (kvref.VLLM_SCALE_CONSTANTS[0], kvref.VLLM_SCALE_CONSTANTS[2], kvref.
 
 
 @mutant("kv-swapped-vk-constants", "engine-side (first-batch) calibration divides K by V's constant 100 and V by "
-        "K's constant 200", AREA)
+        "K's constant 200", kills=("KV-CAL-001", "KV-UPDATE-002"))
 class KVSwappedConstants(ReferenceEngine):
     def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
         if kvref.strategy_name(strategy) != "engine_first_batch":
@@ -140,7 +141,7 @@ class KVSwappedConstants(ReferenceEngine):
 
 
 @mutant("kv-p999-as-max", "trainer-side (B) calibration uses the max of the per-micro-batch amaxes instead of "
-        "their 99.9th percentile", AREA)
+        "their 99.9th percentile", kills=("KV-CAL-002",))
 class KVP999AsMax(ReferenceEngine):
     def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
         if kvref.strategy_name(strategy) != "trainer_p999":
@@ -150,7 +151,7 @@ class KVP999AsMax(ReferenceEngine):
 
 
 @mutant("kv-head-amax-pooled", "per-head amax calibration (C, layout head) pools all heads: one amax broadcast "
-        "to every head", AREA)
+        "to every head", kills=("KV-CAL-003",))
 class KVHeadAmaxPooled(ReferenceEngine):
     def kv_calibrate(self, captures, strategy, *, layout="tensor", fmt="e4m3fn"):
         if layout != "head":
@@ -160,7 +161,7 @@ class KVHeadAmaxPooled(ReferenceEngine):
 
 
 @mutant("kv-reads-past-kv-len", "FP8 attention masks slots past kv_len with p = 0 but still multiplies their "
-        "contents, so NaN garbage there poisons the sequence", AREA)
+        "contents, so NaN garbage there poisons the sequence", kills=("KV-ATTN-002",))
 class KVReadsPastKVLen(ReferenceEngine):
     def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
                      sm_scale=None):

@@ -1,0 +1,136 @@
+"""The capability table: every key an engine may declare, the area it belongs to, the engine ops a check needing it
+calls, and what it means.
+
+An engine's ``capabilities()`` maps keys of this table to ``True`` (available) or to a reason why not; a check
+``requires=`` keys of this table (with ``{param}`` placeholders filled from its parameters) and is skipped with the
+engine's reason when one is missing. An engine that declares a key not in this table fails to load, with the list
+of known keys. The mutant-matrix pruning (``conformance/conftest.py``), ``fp8rl engines`` and the adapters read
+this table; nothing else lists capability keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp8rl.reference.rollout import RECIPES
+
+ELEMENT_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
+QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
+GEMM_KINDS = ("block", "tensor", "row")
+#: the rollout numerics recipes (``rollout.<recipe>``): the oracle's recipes
+ROLLOUT_RECIPES = tuple(RECIPES)
+
+_KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
+           "_kv_current_scales", "_kv_layers")
+_ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy")
+
+
+@dataclass(frozen=True)
+class Capability:
+    key: str
+    area: str
+    #: the engine methods a check needing this capability calls (a deterministic mutant that overrides none of
+    #: them answers exactly as the reference engine does, so ``fp8rl mutants`` may skip the pair)
+    ops: tuple[str, ...]
+    description: str
+
+
+def _table() -> dict[str, Capability]:
+    rows: list[Capability] = []
+    for f in ELEMENT_FORMATS:
+        rows.append(Capability(f"cast.{f}", "formats", ("cast", "cast_overflow"),
+                               f"cast(x, '{f}'): fp32 or bf16 → {f} codes under the declared overflow policy"))
+    rows.append(Capability("cast.bf16", "formats", ("round_bf16",), "round_bf16(x): fp32 → bfloat16, nearest even"))
+    for k in QUANT_KINDS:
+        rows.append(Capability(f"quantize.{k}", "quantization", ("quantize", "scale_policy"),
+                               f"quantize(x, Granularity.{k}(...)) under the declared scale_policy('{k}')"))
+    gemm_desc = {"block": "1×G activations × B×B weights (W8A8 blockwise)", "tensor": "per-tensor scaled operands",
+                 "row": "per-token activations × per-channel weights"}
+    for k in GEMM_KINDS:
+        rows.append(Capability(f"gemm.{k}", "gemm", ("block_gemm",), f"block_gemm(a, w, out_dtype): {gemm_desc[k]}"))
+    kv_desc = {
+        "kv.store": "kv_store: quantize-on-store of K/V under the declared kv_policy (tensor/head/token_head scales)",
+        "kv.attention": "kv_attention: FP8 attention over FP8 caches (GQA, causal, ragged lengths, q_scale)",
+        "kv.calibrate": "kv_calibrate: Q/K/V scales from captured activations (engine first batch, trainer p99.9, "
+                        "amax)",
+        "kv.forward": "kv_forward: one layer's FP8 KV path with the scales the engine would use by itself",
+        "kv.update_scales": "kv_update_scales: install new scales after a weight update, or reset for engine-side "
+                            "recalibration",
+    }
+    rows += [Capability(k, "kv", _KV_OPS, d) for k, d in kv_desc.items()]
+    corr = ("rollout_correction", "correction_loss")
+    rows += [
+        Capability("rollout_correction", "correction", corr,
+                   "rollout_correction: token/sequence TIS, IcePop, batch normalization, rejection sampling, "
+                   "mismatch metrics"),
+        Capability("rollout_correction.geometric", "correction", corr, "rollout_is='geometric' sequence weights"),
+        Capability("rollout_correction.veto", "correction", corr, "the rollout_token_veto_threshold option"),
+        Capability("rollout_correction.loss", "correction", corr,
+                   "correction_loss: PPO-clip / REINFORCE policy loss weighted by IS weights"),
+        Capability("weight_sync", "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
+                   "weight_sync: BF16 → FP8 128×128 state-dict sync (*_weight_scale_inv), exclusions"),
+        Capability("rollout", "e2e", _ROLLOUT_OPS, "rollout_init / rollout: generation with reported log-probs"),
+        Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
+                   "update_weights: load new weights into a running policy (per-step sync)"),
+    ]
+    rows += [Capability(f"rollout.{r}", "e2e", _ROLLOUT_OPS, f"rollouts under the {r} numerics recipe")
+             for r in ROLLOUT_RECIPES]
+    return {c.key: c for c in rows}
+
+
+#: every capability key, in display order
+CAPABILITIES: dict[str, Capability] = _table()
+
+
+def keys(area: str | None = None, prefix: str | None = None) -> list[str]:
+    """The capability keys of an area and/or with a key prefix (e.g. ``prefix="cast."``)."""
+    return [k for k, c in CAPABILITIES.items()
+            if (area is None or c.area == area) and (prefix is None or k.startswith(prefix))]
+
+
+def all_of(area: str, status: bool | str = True) -> dict[str, bool | str]:
+    """Every key of ``area`` with one status (True, or the reason they are all unavailable)."""
+    return dict.fromkeys(keys(area), status)
+
+
+def get(key: str) -> Capability:
+    """The table entry of ``key``; KeyError names the known keys."""
+    try:
+        return CAPABILITIES[key]
+    except KeyError:
+        raise KeyError(f"unknown capability {key!r}; known: {', '.join(CAPABILITIES)}") from None
+
+
+def validate_declared(engine_name: str, caps: Any) -> dict[str, bool | str]:
+    """An engine's ``capabilities()`` result, checked against the table: a mapping of known keys to True or a
+    non-empty reason. Raises ValueError naming the engine, the key and the expectation."""
+    if not isinstance(caps, Mapping):
+        raise ValueError(f"engine {engine_name!r}: capabilities() returned {type(caps).__name__}, expected a dict of "
+                         "capability key → True or a reason")
+    out: dict[str, bool | str] = {}
+    for key, status in caps.items():
+        if key not in CAPABILITIES:
+            raise ValueError(f"engine {engine_name!r} declares unknown capability {key!r}; known keys: "
+                             f"{', '.join(CAPABILITIES)}")
+        if status is not True and not (isinstance(status, str) and status.strip()):
+            raise ValueError(f"engine {engine_name!r}: capability {key!r} is {status!r}; expected True or a "
+                             "non-empty reason why it is unavailable")
+        out[key] = status
+    return out
+
+
+def ops_of(required: list[str]) -> set[str] | None:
+    """The engine methods the checks needing ``required`` call (None if one key is unknown: never prune)."""
+    out: set[str] = set()
+    for key in required:
+        cap = CAPABILITIES.get(key)
+        if cap is None:
+            return None
+        out.update(cap.ops)
+    return out
+
+
+__all__ = ["CAPABILITIES", "Capability", "ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "ROLLOUT_RECIPES",
+           "all_of", "get", "keys", "ops_of", "validate_declared"]

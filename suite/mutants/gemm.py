@@ -1,0 +1,60 @@
+"""GEMM mutants: scaled FP8 GEMMs with one realistic accumulation or scale-layout bug each (area ``gemm``)."""
+
+from __future__ import annotations
+
+import torch
+from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference.gemm import block_gemm_exact
+from fp8rl.reference.quant import QuantizedTensor
+
+from ._base import mutant
+
+
+def _chunked_low_precision_dot(a: torch.Tensor, w: torch.Tensor, mant_bits: int, chunk: int) -> torch.Tensor:
+    """Σ_k a_k·w_k accumulated sequentially with a ``mant_bits``-bit significand inside each K chunk, then
+    promoted to fp64 between chunks (the Hopper FP8 tensor-core accumulation bug class)."""
+
+    def round_sig(t: torch.Tensor) -> torch.Tensor:
+        m, e = torch.frexp(t)
+        scale = float(2**mant_bits)
+        return torch.ldexp(torch.round(m * scale) / scale, e)
+
+    m_rows, k = a.shape
+    out = torch.zeros(m_rows, w.shape[0], dtype=torch.float64)
+    for start in range(0, k, chunk):
+        acc = torch.zeros_like(out)
+        for kk in range(start, min(start + chunk, k)):
+            acc = round_sig(acc + a[:, kk : kk + 1] * w[:, kk].unsqueeze(0))
+        out += acc
+    return out
+
+
+@mutant("gemm-13bit-accum", "block GEMM accumulates each 128-K chunk with a 13-bit significand (Hopper FP8 "
+        "tensor-core accumulation)", kills=("GEMM-SWAMP-001",))
+class Gemm13BitAccum(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        return _chunked_low_precision_dot(a.dequantize().double(), w.dequantize().double(), 13, 128).to(out_dtype)
+
+
+@mutant("gemm-act-scale-per-tensor", "GEMM applies one activation scale per tensor instead of per 1x128 group",
+        kills=("GEMM-BOUND-001", "GEMM-BOUND-002", "GEMM-SWAMP-001"))
+class GemmActScalePerTensor(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        s = a.scale.amax()
+        a_deq = a.values().double() * s.double()
+        return (a_deq @ w.dequantize().double().t()).to(out_dtype)
+
+
+@mutant("gemm-weight-scale-transposed", "GEMM reads the 128x128 weight-scale grid transposed",
+        kills=("GEMM-BOUND-001",))
+class GemmWeightScaleTransposed(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        if w.granularity.kind == "block" and w.scale.dim() == 2 and w.scale.shape[0] == w.scale.shape[1]:
+            w = QuantizedTensor(w.codes, w.scale.t().contiguous(), w.granularity, w.policy)
+        return block_gemm_exact(a, w).to(out_dtype)
+
+
+@mutant("gemm-bf16-accum", "GEMM accumulates in bf16 instead of fp32", kills=("GEMM-SWAMP-001",))
+class GemmBf16Accum(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        return _chunked_low_precision_dot(a.dequantize().double(), w.dequantize().double(), 8, 1 << 30).to(out_dtype)

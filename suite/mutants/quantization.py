@@ -1,0 +1,121 @@
+"""Quantization mutants: scaled-FP8 quantizers with one realistic scale or layout bug each (area ``quantization``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference.quant import (
+    Granularity,
+    QuantizedTensor,
+    compute_amax,
+    quantize,
+    quantize_with_scale,
+    scale_from_amax,
+)
+
+from ._base import mutant
+
+
+@mutant("missing-eps", "scale computed without the eps floor: an all-zero block gives a 0/NaN scale",
+        kills=("QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-PROP-001"))
+class MissingEps(ReferenceEngine):
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        buggy = replace(policy, floor="none", zero_amax="nan")
+        qt = quantize(x, granularity, buggy)
+        return QuantizedTensor(qt.codes, qt.scale, granularity, policy)
+
+
+@mutant("per-tensor-scale", "one per-tensor scale used where per-group/per-block scales are required",
+        kills=("QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-EXACT-001", "QUANT-EXACT-002", "QUANT-PROP-001"))
+class PerTensorScale(ReferenceEngine):
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        amax = compute_amax(x, Granularity.tensor())
+        s = scale_from_amax(amax, policy)
+        shape = tuple(granularity.scale_shape(tuple(x.shape)))
+        scale = s.reshape(()).expand(shape).contiguous()
+        codes = quantize_with_scale(x, scale, granularity, policy)
+        return QuantizedTensor(codes, scale, granularity, policy)
+
+
+@mutant("transposed-block-grid", "128x128 block-scale grid stored transposed (row/column-major confusion)",
+        kills=("QUANT-BOUND-001", "QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-EXACT-001"))
+class TransposedBlockGrid(ReferenceEngine):
+    def quantize(self, x, granularity):
+        qt = super().quantize(x, granularity)
+        if granularity.kind != "block" or qt.scale.dim() != 2:
+            return qt
+        s = qt.scale
+        if s.shape[0] == s.shape[1]:
+            s = s.t().contiguous()
+        else:  # non-square grid: a kernel reading it column-major sees the same memory with swapped strides
+            s = s.t().contiguous().reshape(s.shape)
+        return QuantizedTensor(qt.codes, s, granularity, qt.policy)
+
+
+@mutant("edge-off-by-one", "amax of a partial edge group/block misses its last column (off-by-one)",
+        kills=("QUANT-EDGE-002",))
+class EdgeOffByOne(ReferenceEngine):
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        if granularity.kind not in ("group", "block"):
+            return super().quantize(x, granularity)
+        k = x.shape[-1]
+        step = granularity.size[1]
+        if k % step == 0:
+            return super().quantize(x, granularity)
+        # the edge chunk is read as if it were one element shorter
+        x_amax = x.clone()
+        x_amax[..., k - 1] = 0
+        scale = scale_from_amax(compute_amax(x_amax, granularity), policy)
+        codes = quantize_with_scale(x, scale, granularity, policy)
+        return QuantizedTensor(codes, scale, granularity, policy)
+
+
+@mutant("pow2-round-down", "power-of-two (UE8M0) scale rounded down instead of up",
+        kills=("QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-EXACT-001", "QUANT-EXACT-002", "QUANT-PROP-001"))
+class Pow2RoundDown(ReferenceEngine):
+    def __init__(self):
+        super().__init__({"group": "deepgemm_ue8m0", "block": "deepgemm_ue8m0"})
+
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        if policy.pow2 == "none":
+            return super().quantize(x, granularity)
+        plain = replace(policy, pow2="none")
+        s = scale_from_amax(compute_amax(x, granularity), plain)
+        mant, exp = torch.frexp(s)  # s = mant · 2^exp, mant in [0.5, 1)
+        s_down = torch.ldexp(torch.ones_like(s), exp - 1)  # largest power of two ≤ s
+        codes = quantize_with_scale(x, s_down, granularity, policy)
+        return QuantizedTensor(codes, s_down, granularity, policy)
+
+
+@mutant("mul-recip-not-div", "quantizes with x·(1/s) where the declared policy divides x/s",
+        kills=("QUANT-EXACT-002",))
+class MulRecipNotDiv(ReferenceEngine):
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        qt = quantize(x, granularity, replace(policy, quant_op="mul_recip"))
+        return QuantizedTensor(qt.codes, qt.scale, granularity, policy)
+
+
+@mutant("scale-as-multiplier", "returns the quant multiplier 1/s where the dequant scale s is specified",
+        kills=("QUANT-BOUND-001", "QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-EXACT-001", "QUANT-EXACT-002",
+               "QUANT-PROP-001"))
+class ScaleAsMultiplier(ReferenceEngine):
+    def quantize(self, x, granularity):
+        qt = super().quantize(x, granularity)
+        return QuantizedTensor(qt.codes, (1.0 / qt.scale.double()).float(), granularity, qt.policy)
+
+
+@mutant("bf16-scale", "scale computed in the input dtype (bf16) instead of fp32",
+        kills=("QUANT-EDGE-001", "QUANT-EDGE-002", "QUANT-EXACT-001", "QUANT-EXACT-002"))
+class Bf16Scale(ReferenceEngine):
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        s = scale_from_amax(compute_amax(x, granularity), policy).to(torch.bfloat16).float()
+        codes = quantize_with_scale(x, s, granularity, policy)
+        return QuantizedTensor(codes, s, granularity, policy)
