@@ -9,7 +9,7 @@ precision config:
 ``fp8-kv``      BF16 weights, FP8 KV cache used *for storage only* (attention math in BF16)
 ``fp8-all``     FP8 linear + FP8 KV cache + FP8 attention math (the paper's "full FP8")
 
-* **weight bytes**: the weight-sync rules (paper.md §1.3, verl.md §3.3) decide what is FP8: q/k/v/o, gate/up/down
+* **weight bytes**: the weight-sync rules (docs/paper-numbers.md §1.3, docs/verl-correction.md §3.3) decide what is FP8: q/k/v/o, gate/up/down
   and MoE expert matrices are FP8 (1 byte/element + one fp32 scale per 128×128 block, ceil-div grid); embeddings,
   lm_head, every norm (incl. QK-norm), biases and the MoE router (and Qwen2-MoE's shared-expert gate) stay BF16.
 * **KV bytes per token**: ``2 (K,V) · layers · kv_heads · head_dim · bytes`` (2 for BF16, 1 for FP8; the

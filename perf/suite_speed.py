@@ -7,7 +7,7 @@
    4096×4096 fp32 weight vs a veRL-style PyTorch blockwise quantizer on the same input (target ratio ≤ 1.0×: the
    oracle must not be the slow part of anyone's CI). veRL is not installed here, so the quantizer below re-implements
    the steps of veRL's PyTorch path (``verl/utils/kernel/fp8_kernel.py`` ``_scaled_fp8_blockwise_pytorch``,
-   ``VERL_DISABLE_TRITON_FP8=1``; verl.md §3.2): zero-pad to multiples of 128, reshape/permute to blocks, fp32
+   ``VERL_DISABLE_TRITON_FP8=1``; docs/verl-correction.md §3.2): zero-pad to multiples of 128, reshape/permute to blocks, fp32
    ``amax``, ``scale = 448/amax`` (1 where amax is 0 or inf), ``x·scale``, clamp to ±448, cast to e4m3fn, undo the
    permute, crop; the descale is ``1/scale``. Repeats are interleaved (oracle, veRL, oracle, veRL, …) after one
    warm-up each; medians are compared.

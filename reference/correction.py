@@ -1,7 +1,7 @@
 """Rollout correction oracle: importance-sampling (IS) weights, rejection sampling (RS), loss helpers and
 mismatch metrics for FP8 (or any low-precision) rollouts.
 
-An independent implementation of the spec written down in ``shared/notes/verl.md`` §1–§2 and the FP8-RL report
+An independent implementation of the spec written down in ``docs/verl-correction.md`` §1–§2 and the FP8-RL report
 (arXiv 2601.18150, §3): it neither imports nor copies veRL. Everything is computed in float64 on sanitized
 inputs; tensors come back in the input dtype, metrics as Python floats.
 

@@ -4,7 +4,7 @@ A tiny seeded attention stack (embedding → L × [RMSNorm → Q/K/V projections
 gains → RoPE → causal GQA attention → output projection, residual] → RMSNorm → LM head) takes RL-like steps:
 every weight gets a small seeded random update (relative size ``noise``), and the QK-norm gains and the V
 projection drift multiplicatively: up by ``growth`` per step (outlier K channels faster) for ``grow_steps``
-steps, then down by ``shrink`` per step. This is the mechanism of paper §2.5: post-QK-norm ranges move with the
+steps, then down by ``shrink`` per step. This is the mechanism of docs/paper-numbers.md §2.5: post-QK-norm ranges move with the
 weights, so scales computed once go stale — growing ranges saturate at ±448 (clipping the largest K entries,
 which dominate the attention scores), shrinking ranges lose precision.
 

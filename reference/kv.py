@@ -9,7 +9,7 @@ Tensor layout ("BTHD"): K and V are ``[..., T, H, D]`` (tokens, KV heads, head d
 arguments of ``reshape_and_cache_flash`` are ``[T, H, D]``); Q for attention is ``[B, Tq, Hq, D]`` and the caches
 ``[B, Tk, Hkv, D]``.
 
-Store formula (vLLM ``reshape_and_cache_flash`` / SGLang ``set_kv_buffer``, engines.md §2.5, §3.3)::
+Store formula (vLLM ``reshape_and_cache_flash`` / SGLang ``set_kv_buffer``, docs/engine-numerics.md §2.5, §3.3)::
 
     y    = x / s            (quant_op "div", vLLM CUDA: cvt_satfinite_rn(float(x) / k_scale))
          = x · fl32(1/s)    (quant_op "mul_recip", vLLM CPU and fp8_per_token_head: x · (1/s))
@@ -21,7 +21,7 @@ Scale layouts (:data:`LAYOUTS`): ``"tensor"`` one scale per tensor per layer (vL
 computed at store time, s = max(fl32(amax / max), floor) with floor 1e-6 (vLLM ``fp8_per_token_head``,
 shape ``x.shape[:-1]``).
 
-Calibration strategies (paper §2.3, :data:`STRATEGIES`), inputs are captured post-RoPE (post-QK-norm) Q/K/V:
+Calibration strategies (docs/paper-numbers.md §2.3, :data:`STRATEGIES`), inputs are captured post-RoPE (post-QK-norm) Q/K/V:
 
 * (A) ``"engine_first_batch"``: vLLM ``calc_kv_scales`` on the first batch after a reset:
   s_q = fl32(max|q| / 200), s_k = fl32(max|k| / 200), s_v = fl32(max|v| / 100).

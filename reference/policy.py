@@ -1,7 +1,7 @@
 """The scale policy of a dynamic scaled-FP8 quantizer: :class:`ScalePolicy` and the modes of its fields.
 
 A :class:`ScalePolicy` names every numerical choice engines make differently when they turn a group's amax into an
-fp32 dequant scale s and cast x/s to FP8 (engines.md §2–§7); the pipeline that applies it, with every formula, is
+fp32 dequant scale s and cast x/s to FP8 (docs/engine-numerics.md §2–§7); the pipeline that applies it, with every formula, is
 :mod:`fp8rl.reference.quant` (amax → scale → cast). The named policies of the engines we test are
 :data:`fp8rl.reference.presets.PRESETS`.
 
@@ -54,12 +54,12 @@ class ScalePolicy:
       pow2 rounding) or ``"none"``. ``eps`` is rounded to fp32 first, as engines pass it as a C float.
     * ``pow2``: ``"none"``; ``"ceil_log2"`` s = 2^ceil(fl(log2 s)) with torch's fp32 log2 (vLLM torch/Triton/CUDA
       ``exp2(ceil(log2 s))``: for s a few fp32 ulps above a power of two, fl(log2 s) rounds to the integer, so the
-      scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; engines.md §7);
+      scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; docs/engine-numerics.md §7);
       ``"ceil_bits"`` s = 2^(e + (mantissa ≠ 0)) on the fp32 bits with the biased exponent clamped to [1, 254]
       (DeepGEMM ``ceil_to_ue8m0``, SGLang UE8M0); ``"floor_multiplier"`` TE: the multiplier m = fl(T/amax') has its
       mantissa bits zeroed (rounded down to a power of two) and s = 1/m (needs ``scale_op="recip_multiplier"``).
     * ``scale_op``: ``"div"`` s = fl(amax'/T); ``"mul_recip_max"`` s = fl(amax'·fl(1/T)) (1 fp32 ulp from "div" in
-      ~49 % of groups, engines.md §7); ``"recip_multiplier"`` m = fl(T/amax'), s = fl(1/m) (verl torch, torchao,
+      ~49 % of groups, docs/engine-numerics.md §7); ``"recip_multiplier"`` m = fl(T/amax'), s = fl(1/m) (verl torch, torchao,
       TE). A multiplier that overflows fp32 (amax' < T/FLT_MAX ≈ 1.3e-36) is replaced by FLT_MAX (TE's rule).
     * ``quant_op``: ``"div"`` q = fl(x/s); ``"mul_recip"`` q = fl(x·fl(1/s)); ``"mul_max_over_amax"`` q = fl(x·m)
       with m = fl(T/amax') computed from the amax (SGLang JIT, TE, torchao, verl torch); for pow2 policies m = 1/s
@@ -68,7 +68,7 @@ class ScalePolicy:
     * ``zero_amax``: what a zero amax gives: ``"floor"`` the floor rule (needs ``floor != "none"`` and eps > 0);
       ``"one"`` scale 1 and multiplier 1 when amax' is 0, ±inf or NaN (TE ``compute_scale_from_amax``; verl torch
       does it for 0 and inf only); ``"nan"`` unguarded: s = 0 and 0/0 → NaN codes (DeepSeek reference kernel,
-      vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted to store +448 instead, engines.md §2.1).
+      vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted to store +448 instead, docs/engine-numerics.md §2.1).
     * ``overflow``: the cast's overflow policy for values that still overflow (no clamp, or ±inf with clamp off).
     """
 

@@ -3,7 +3,7 @@
 A quantized tensor is ``codes`` (uint8, the FP8 bit patterns) plus ``scale``, the fp32 **dequant** multiplier:
 x ≈ decode(code) · scale. The scale is computed per tensor, token (row), output channel, 1×G group or Bm×Bn block
 (:class:`Granularity`) from the group's amax by a :class:`~fp8rl.reference.policy.ScalePolicy`
-(:mod:`fp8rl.reference.policy`), which names every numerical choice engines make differently (engines.md §2–§7): the
+(:mod:`fp8rl.reference.policy`), which names every numerical choice engines make differently (docs/engine-numerics.md §2–§7): the
 maximum the group is mapped to, where a floor (eps) applies, power-of-two rounding of the scale, how the scale and the
 quantized value are computed in fp32 (division, multiplication by a reciprocal, or by a separately computed
 multiplier), the clamp before the cast, what a zero amax gives, and the cast's overflow policy.
@@ -307,7 +307,7 @@ def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
     """Round an fp32 scale up to a power of two.
 
     * ``ceil_log2``: 2^ceil(fl(log2 s)) with torch's fp32 log2 (the power is formed exactly). log2 rounding makes
-      scales a few ulps above 2^k give 2^k (round *down*), engines.md §7. log2(0) = -inf gives 0.
+      scales a few ulps above 2^k give 2^k (round *down*), docs/engine-numerics.md §7. log2(0) = -inf gives 0.
     * ``ceil_bits``: biased exponent e of the fp32 bits, plus 1 if any mantissa bit is set, clamped to [1, 254];
       s = 2^(e-127). Subnormal and zero scales give 2^-126; NaN/inf are passed through.
     * ``none``: s unchanged. (``floor_multiplier`` acts on the multiplier, see :func:`scale_from_amax`.)

@@ -11,7 +11,7 @@ rollout run in FP8:
 * ``bf16``: the model as transformers runs it in BF16 (``sdpa`` attention, the ``eager`` expert loop). Its
   teacher-forced score is **the trainer's policy** π_old, the oracle every rollout is compared with; its generation
   decodes incrementally with a KV cache.
-* ``fp8-linear``: W8A8 blockwise linear layers (paper §1.1, :class:`FP8Linear`, :class:`FP8Experts`,
+* ``fp8-linear``: W8A8 blockwise linear layers (docs/paper-numbers.md §1.1, :class:`FP8Linear`, :class:`FP8Experts`,
   :class:`FP8Router`): the synced weights (FP8 codes + 128×128 ``*_weight_scale_inv``,
   :mod:`fp8rl.reference.weight_sync`) are dequantized exactly, activations are quantized dynamically per token and
   1×128 group under the activation ScalePolicy, the product is formed in fp64 (exact up to fp64 rounding) and
@@ -27,7 +27,7 @@ rollout run in FP8:
   attention math, output rounded to BF16).
 * ``fp8-all``: both, and the query is quantized too (FP8 attention, "storage and attention calculation").
 
-KV scales (:class:`_KVState`) are calibrated as vLLM's ``calculate_kv_scales`` did (paper §2.3, strategy A;
+KV scales (:class:`_KVState`) are calibrated as vLLM's ``calculate_kv_scales`` did (docs/paper-numbers.md §2.3, strategy A;
 ``kv_calibration="first_batch"``): on the first forward after load or after every weight update, per layer,
 ``q_scale = max|q|/200``, ``k_scale = max|k|/200``, ``v_scale = max|v|/100`` over that batch, then frozen.
 ``"amax"`` uses ``max|x|/448`` instead (:data:`KV_CALIBRATIONS`). Scales can also be pushed (strategy B).
@@ -37,7 +37,7 @@ bit-level encoder (:func:`fp8rl.reference.formats.encode_codes`) on every e4m3fn
 for other formats or overflow policies, the oracle's :func:`~fp8rl.reference.quant.quantize` is used (slow but the
 same values). The test suite checks :func:`fake_quant` against the oracle bit for bit.
 
-Also here: :func:`mismatch_metrics` (k3 KL, token_mult_prob_error, max |Δlogp|, paper §3.4),
+Also here: :func:`mismatch_metrics` (k3 KL, token_mult_prob_error, max |Δlogp|, docs/paper-numbers.md §3.4),
 :func:`first_divergence` for greedy rollouts, :class:`RolloutOutput` (the (tokens, logprobs) pair of a rollout)
 and :func:`single_thread`.
 """
@@ -381,7 +381,7 @@ def single_thread():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# mismatch metrics (paper §3.4, verl rollout_corr, NeMo-RL)
+# mismatch metrics (docs/paper-numbers.md §3.4, verl rollout_corr, NeMo-RL)
 
 
 def mismatch_metrics(lp_rollout: torch.Tensor, lp_trainer: torch.Tensor) -> dict[str, float]:

@@ -9,7 +9,7 @@ experts fused the transformers ≥ 5 way) and swaps its numerics according to a
 ``DynamicCache`` that stores keys/values FP8-rounded with the recipe's calibrated scales. Its teacher-forced
 :meth:`RolloutPolicy.score` under ``bf16`` is **the trainer's policy** π_old; :meth:`RolloutPolicy.generate`
 decodes incrementally with the (FP8 or BF16) KV cache. :meth:`RolloutPolicy.update_weights` recalibrates the KV
-scales unless told not to (the stale-scale failure mode of paper §2.5); :meth:`RolloutPolicy.set_kv_scales` pushes
+scales unless told not to (the stale-scale failure mode of docs/paper-numbers.md §2.5); :meth:`RolloutPolicy.set_kv_scales` pushes
 trainer-side scales (strategy B).
 
 Dependencies: building and running a model needs ``transformers`` ≥ 5 and ``safetensors`` (``pip install

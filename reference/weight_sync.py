@@ -1,4 +1,4 @@
-"""Weight sync: the BF16 trainer weights → the blockwise-FP8 tensors a rollout engine loads (paper §1.3–1.4).
+"""Weight sync: the BF16 trainer weights → the blockwise-FP8 tensors a rollout engine loads (docs/paper-numbers.md §1.3–1.4).
 
 Every RL step the trainer streams its BF16 weights as ``(name, tensor)`` with HF *checkpoint* names; each eligible
 weight is quantized on the fly with 128×128 blocks and the engine receives ``(name, fp8)`` plus
@@ -6,7 +6,7 @@ weight is quantized on the fly with 128×128 blocks and the engine receives ``(n
 ``*_weight_scale_inv`` is the **dequant multiplier** (W ≈ fp8 · scale, broadcast over 128×128 tiles) of shape
 (⌈N/128⌉, ⌈K/128⌉) for an (N, K) weight.
 
-What is quantized (paper §1.3, verl ``FP8QuantizerHelper``, vLLM ``is_fp8_weight``): 2-D ``.weight`` tensors of the
+What is quantized (docs/paper-numbers.md §1.3, verl ``FP8QuantizerHelper``, vLLM ``is_fp8_weight``): 2-D ``.weight`` tensors of the
 attention projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``, the MLP ``gate_proj``/``up_proj``/``down_proj``
 and the same projections of every MoE expert (``mlp.experts.<e>.*``). What stays BF16 by default: the embeddings,
 ``lm_head``, every norm (RMSNorm, QK-norm) and the MoE router ``mlp.gate`` (verl #5107; the paper's router ablation
@@ -236,7 +236,7 @@ def ignored_layers(state_dict: Mapping[str, torch.Tensor], recipe: WeightSyncRec
 def quantization_config(recipe: WeightSyncRecipe | None = None, ignored: list[str] | None = None) -> dict[str, Any]:
     """The HF ``quantization_config`` of a blockwise-FP8 checkpoint: ``{quant_method: fp8, fmt: e4m3,
     activation_scheme: dynamic, weight_block_size: [128, 128]}`` (+ ``ignored_layers`` when given), the dict verl
-    injects into vLLM/SGLang (paper §1.1)."""
+    injects into vLLM/SGLang (docs/paper-numbers.md §1.1)."""
     r = recipe or WeightSyncRecipe()
     cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": _CHECKPOINT_FMT[get_policy(r.policy).fmt],
                            "activation_scheme": "dynamic", "weight_block_size": list(r.block)}

@@ -26,7 +26,7 @@ What the shim does (and nothing else):
   is installed so that no probe inside the window can cache a wrong answer.
 
 Do NOT stub ``sgl_kernel``, ``flashinfer``, ``deep_gemm`` or ``aiter``: SGLang imports them inside ``try/except
-ImportError`` and an empty stub would flip those guards to "available" (shared/notes/triton-cpu.md).
+ImportError`` and an empty stub would flip those guards to "available" (docs/triton-interpreter.md).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def _load() -> tuple[Any, str | None]:
             from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import CPUFP8KVCacheMethod
     except Exception as exc:  # noqa: BLE001
         return None, (f"SGLang's FP8 modules do not import ({type(exc).__name__}: {exc}); install the [sglang] extra "
-                      "(shared/notes/triton-cpu.md)")
+                      "(docs/triton-interpreter.md)")
     ns = types.SimpleNamespace(qk=qk, fq=fq, fu=fu, gemm=gemm, kv_method=CPUFP8KVCacheMethod,
                                version=str(getattr(sglang, "__version__", "?")), stubbed=tuple(stubbed), triton=_triton_interp.triton_version())
     return ns, None
@@ -238,7 +238,7 @@ class SglangEngine(Engine):
         caps["kv.attention"] = (f"sglang {v}: the CPU FP8 KV cache is read by the intel_amx attention backend "
                                 "(sgl_kernel CPU ops, not installed here); not driven by this adapter")
         caps["kv.calibrate"] = (f"sglang {v}: no KV-scale calibration: k/v scales come from the checkpoint or "
-                                "--quantization-param-path, else 1.0 (engines.md §3.3; SGLang never had "
+                                "--quantization-param-path, else 1.0 (docs/engine-numerics.md §3.3; SGLang never had "
                                 "calculate_kv_scales, issue #6518)")
         caps["kv.update_scales"] = f"sglang {v}: no runtime KV-scale recalibration or push API"
         return caps

@@ -167,7 +167,7 @@ def test_token_tis_values_exact():
 
 
 def test_icepop_matches_verl_anchor_exact():
-    """verl.md §2.1 anchor: raw [0.4, 0.8, 6.0], '0.5_5.0' → w = [0, 0.8, 0], oob 2/3, ESS 1/3; mask untouched."""
+    """docs/verl-correction.md §2.1 anchor: raw [0.4, 0.8, 6.0], '0.5_5.0' → w = [0, 0.8, 0], oob 2/3, ESS 1/3; mask untouched."""
     lr = torch.zeros(1, 3)
     lo = torch.log(torch.tensor([[0.4, 0.8, 6.0]]))
     r = C.rollout_correction(lo, lr, torch.ones(1, 3), C.CorrectionConfig("token", "0.5_5.0"))

@@ -3,7 +3,7 @@
 The oracle is written with integer arithmetic and never calls torch's fp8 cast, so it can be compared against
 two independent implementations:
 
-* torch 2.13 ``.to(float8_*)`` (measured behaviour in shared/notes/platform.md §1, engines.md §1), and
+* torch 2.13 ``.to(float8_*)`` (measured behaviour in docs/platform-notes.md §1, docs/engine-numerics.md §1), and
 * ml_dtypes (numpy ``astype``), which differs from torch in its overflow policy for e4m3fn and in a few
   special encodings.
 
@@ -28,9 +28,9 @@ from support.upstream import holds, pin_marks, pinned
 FMT_NAMES = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e8m0fnu")
 FNUZ = ("e4m3fnuz", "e5m2fnuz")
 
-#: The overflow policy torch 2.13's eager CPU cast implements, per format (platform.md §1).
+#: The overflow policy torch 2.13's eager CPU cast implements, per format (docs/platform-notes.md §1).
 TORCH_POLICY = {"e4m3fn": "saturate", "e5m2": "inf", "e4m3fnuz": "nan", "e5m2fnuz": "nan", "e8m0fnu": "saturate"}
-#: The overflow policy ml_dtypes 0.6 implements (engines.md §1: e4m3fn overflow → NaN, ml_dtypes issue #400).
+#: The overflow policy ml_dtypes 0.6 implements (docs/engine-numerics.md §1: e4m3fn overflow → NaN, ml_dtypes issue #400).
 ML_POLICY = {"e4m3fn": "nan", "e5m2": "inf", "e4m3fnuz": "nan", "e5m2fnuz": "nan", "e8m0fnu": "saturate"}
 
 FORMAT_POLICIES = [(n, p) for n in FMT_NAMES for p in F.FORMATS[n].allowed_overflow()]
@@ -567,7 +567,7 @@ def test_e8m0_ties_go_up_exact():
         for got, what in ((torch_codes(x, "e8m0fnu"), "torch"), (ml_codes(x, "e8m0fnu"), "ml_dtypes"),
                           (ours(x, "e8m0fnu"), "oracle")):
             assert_codes_equal(x, got, want, f"{what} e8m0fnu ties up")
-    # platform.md §1's measured vector
+    # docs/platform-notes.md §1's measured vector
     x = _f32([2.5, 2.9, 3.0, 3.1, 5.9, 6.0, 6.1, 1.5, 1.0000001, 0.75, 0.7])
     want = F.encode_codes(_f32([2, 2, 4, 4, 4, 8, 8, 2, 1, 1, 0.5]), "e8m0fnu")
     assert_codes_equal(x, torch_codes(x, "e8m0fnu"), want, "torch e8m0 measured vector")

@@ -229,7 +229,7 @@ def test_ceil_log2_not_scale_equivariant_documented_exact():
     s6 = scale_from_amax(torch.tensor([float(base * f32(64))]), p).item()
     s3 = scale_from_amax(torch.tensor([float(base * f32(8))]), p).item()
     assert s6 == 0.5
-    assert s3 == 2.0**-5  # 2^-3 × s6 would be 2^-4: the log2 path rounds down here (engines.md §7)
+    assert s3 == 2.0**-5  # 2^-3 × s6 would be 2^-4: the log2 path rounds down here (docs/engine-numerics.md §7)
     bits = replace(p, name="bits", pow2="ceil_bits")
     assert scale_from_amax(torch.tensor([float(base * f32(8))]), bits).item() == 2.0**-4
 
@@ -594,7 +594,7 @@ def test_presets_have_descriptions_and_valid_policies_exact():
                 "sglang_mla_tensor", "sglang_native", "sglang_fp8_quantize", "vllm_triton_ue8m0_group"}
     assert required <= set(PRESETS)
     for name, p in PRESETS.items():
-        assert p.name == name and ("engines.md" in p.description or "paper.md" in p.description)
+        assert p.name == name and ("docs/engine-numerics.md" in p.description or "docs/paper-numbers.md" in p.description)
         assert get_policy(name) is p and get_policy(p) is p
 
 

@@ -1,7 +1,7 @@
 """The analytic perf model: parameter inventory, weight-sync precision rules, KV capacity, roofline.
 
 The validation test reproduces the paper's measured KV capacities for Qwen3-8B-Base (NeMo-RL PR #1212,
-paper.md §2.1) from the BF16 row alone.
+docs/paper-numbers.md §2.1) from the BF16 row alone.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_kv_bytes_per_token(q8, q30):
 
 
 def test_validation_paper_kv_capacity_rows_within_3_percent(q8):
-    """Calibrate the memory budget from the BF16 row, predict the FP8 rows (paper.md §2.1)."""
+    """Calibrate the memory budget from the BF16 row, predict the FP8 rows (docs/paper-numbers.md §2.1)."""
     budget = pm.budget_from_kv_tokens(q8, "bf16", PAPER_ROWS["bf16"][0])
     assert pm.kv_capacity_tokens(q8, "bf16", budget) == PAPER_ROWS["bf16"][0]  # 249,952 is a multiple of 16
     for cfg in ("fp8-linear", "fp8-all"):

@@ -93,7 +93,7 @@ class VllmKVMixin:
                 f"vllm {_vllm_version()} CPU_ATTN: KV scales are per tensor only (cpu_attn_reshape_and_cache takes "
                 f"Python floats k_scale/v_scale); layout {layout!r} (fp8_per_token_head is a Triton/CUDA path) is "
                 "not available on CPU")
-        # declared as vLLM documents its CPU write (engines.md §2.7): v = clamp(x·(1/s), ±max), then convert;
+        # declared as vLLM documents its CPU write (docs/engine-numerics.md §2.7): v = clamp(x·(1/s), ±max), then convert;
         # CPU_ATTN has no FP8 query (Q stays in the model dtype; k_scale is folded into the softmax scale)
         return KVPolicy(fmt=fmt, layout="tensor", quant_op="mul_recip", clamp=True, overflow="saturate",
                         quantize_q=False)
