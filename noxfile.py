@@ -209,11 +209,48 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
+def _package_mirror(dest: Path) -> dict[str, Path]:
+    """A tree of symlinks at ``dest`` laid out as the installed ``fp8rl`` package: for each of pyproject's
+    ``packages``, its source dir (through ``package-dir``; a package not named there lies under its nearest named
+    parent) has each ``*.py`` linked into ``dest/fp8rl/...``. mypy cannot follow setuptools' editable-install import
+    hook, so it checks this tree instead. Returns package -> source dir."""
+    import shutil
+    import tomllib
+
+    setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir: dict[str, str] = setuptools_cfg["package-dir"]
+    if dest.exists():
+        shutil.rmtree(dest)
+    sources: dict[str, Path] = {}
+    for package in setuptools_cfg["packages"]:
+        parts = package.split(".")
+        for n in range(len(parts), 0, -1):
+            base = ".".join(parts[:n])
+            if base in package_dir:
+                src = ROOT / package_dir[base] / Path(*parts[n:])
+                break
+        else:
+            src = ROOT / Path(*parts)
+        sources[package] = src
+        target = dest / Path(*parts)
+        target.mkdir(parents=True, exist_ok=True)
+        for py in sorted(src.glob("*.py")):
+            os.symlink(py, target / py.name)
+    return sources
+
+
 @nox.session
 def typecheck(session: nox.Session) -> None:
+    """mypy on the whole fp8rl package, checked in a symlink mirror of its installed layout (build/typecheck/)."""
     if not _no_venv(session):
         install_locked(session, TIERS["base"])
-    session.run("mypy", "reference", "suite/tolerances.py", "suite/engine.py")
+    tree = ROOT / "build" / "typecheck"
+    sources = _package_mirror(tree)
+    mapping = ", ".join(f"{pkg.replace('.', '/')}/ -> {src.relative_to(ROOT)}/" for pkg, src in sources.items())
+    session.log(f"mypy paths are in the installed layout ({tree.relative_to(ROOT)}/ symlinks): {mapping}")
+    with session.chdir(tree):
+        session.run("mypy", "--explicit-package-bases", "-p", "fp8rl", "--config-file", str(ROOT / "pyproject.toml"),
+                    "--cache-dir", str(ROOT / ".mypy_cache"))
 
 
 ASV_CONF = ("--config", "perf/asv.conf.json")
