@@ -447,9 +447,9 @@ def simulate(config: DriftConfig | None = None, *, backend: Any = None,
 def _simulate(config: DriftConfig | None, backend: Any, schedules: tuple[str, ...], kappa_attn: float | None,
               kappa_lp: float | None) -> DriftResult:
     cfg = config or DriftConfig()
-    for s in schedules:
-        if s not in SCHEDULES:
-            raise ValueError(f"schedules: unknown schedule {s!r}; expected a subset of {SCHEDULES}")
+    for sched in schedules:
+        if sched not in SCHEDULES:
+            raise ValueError(f"schedules: unknown schedule {sched!r}; expected a subset of {SCHEDULES}")
     k_attn = float(KAPPA_ATTN_VS_FRESH if kappa_attn is None else kappa_attn)
     k_lp = float(KAPPA_LP_VS_FRESH if kappa_lp is None else kappa_lp)
     strategy = kvref.strategy_name(cfg.strategy)

@@ -37,11 +37,11 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import decode_codes, encode_codes, get_format
+from fp8rl.reference.formats import OverflowPolicy, decode_codes, encode_codes, get_format
 
 #: KV-cache element formats the oracle covers (fnuz variants are ROCm-only and not used by the RL stacks)
 KV_FORMATS: tuple[str, ...] = ("e4m3fn", "e5m2")
@@ -90,7 +90,7 @@ class KVPolicy:
     layout: str = "tensor"
     quant_op: str = "div"
     clamp: bool = True
-    overflow: str = "saturate"
+    overflow: OverflowPolicy = "saturate"
     token_head_floor: float = TOKEN_HEAD_FLOOR
     quantize_q: bool = True
     q_fmt: str = "e4m3fn"
@@ -393,6 +393,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     return b, tq, hq, d, int(k.shape[1]), hkv
 
 
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ..., q_lengths: Any = ...,
+              kv_lengths: Any = ..., sm_scale: float | None = ..., return_probs: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ..., q_lengths: Any = ...,
+              kv_lengths: Any = ..., sm_scale: float | None = ...,
+              return_probs: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ..., q_lengths: Any = ...,
+              kv_lengths: Any = ..., sm_scale: float | None = ...,
+              return_probs: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, q_lengths: Any = None,
               kv_lengths: Any = None, sm_scale: float | None = None,
               return_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -426,6 +437,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return (out, p) if return_probs else out
 
 
+@overload
+def fp8_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, *, q_scale: torch.Tensor | float | None = ...,
+                  q_fmt: str = ..., q_quant_op: str = ..., causal: bool = ..., q_lengths: Any = ...,
+                  kv_lengths: Any = ..., sm_scale: float | None = ...,
+                  return_probs: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def fp8_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, *, q_scale: torch.Tensor | float | None = ...,
+                  q_fmt: str = ..., q_quant_op: str = ..., causal: bool = ..., q_lengths: Any = ...,
+                  kv_lengths: Any = ..., sm_scale: float | None = ...,
+                  return_probs: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def fp8_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, *, q_scale: torch.Tensor | float | None = ...,
+                  q_fmt: str = ..., q_quant_op: str = ..., causal: bool = ..., q_lengths: Any = ...,
+                  kv_lengths: Any = ..., sm_scale: float | None = ...,
+                  return_probs: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def fp8_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, *, q_scale: torch.Tensor | float | None = None,
                   q_fmt: str = "e4m3fn", q_quant_op: str = "mul_recip", causal: bool = True, q_lengths: Any = None,
                   kv_lengths: Any = None, sm_scale: float | None = None,

@@ -52,12 +52,13 @@ from fp8rl.reference.presets import PRESETS, get_policy
 # ScalePolicy, its mode tuples, PRESETS and get_policy live in fp8rl.reference.policy and fp8rl.reference.presets;
 # they are re-exported here for engines that import them from fp8rl.reference.quant.
 __all__ = [
-    "ACCEPTED_INPUT_DTYPES", "FLOOR_MODES", "GRANULARITY_KINDS", "Granularity", "OverflowPolicy", "POW2_MODES",
+    "ACCEPTED_INPUT_DTYPES", "FLOOR_MODES", "GRANULARITY_KINDS", "Granularity", "GranularityKind", "OverflowPolicy", "POW2_MODES",
     "PRESETS", "QUANT_OPS", "QuantizedTensor", "SCALE_OPS", "ScalePolicy", "ZERO_AMAX_MODES", "compute_amax",
     "dequantize", "expand_scale", "get_policy", "quant_multiplier_from_amax", "quantize", "quantize_with_scale",
     "round_scale_pow2", "scale_from_amax",
 ]
 
+GranularityKind = Literal["tensor", "token", "channel", "group", "block"]
 GRANULARITY_KINDS: tuple[str, ...] = ("tensor", "token", "channel", "group", "block")
 #: input dtypes quantize() accepts; all are upcast to fp32 exactly
 ACCEPTED_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,7 +95,7 @@ class Granularity:
     an edge block's amax; that is not modelled.
     """
 
-    kind: Literal["tensor", "token", "channel", "group", "block"]
+    kind: GranularityKind
     size: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:

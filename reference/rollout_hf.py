@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from fp8rl.reference.policy import ScalePolicy
@@ -222,7 +222,7 @@ class RolloutPolicy:
         self.weight_policy = get_policy(weight_policy)
         self.act_policy = get_policy(act_policy)
         self.experts_implementation = experts_implementation
-        self.weight_block = tuple(weight_block)
+        self.weight_block = cast(tuple[int, int], tuple(weight_block))  # a list from JSON/YAML becomes the pair
         self.kv = _KVState(self.recipe) if self.recipe.fp8_kv else None
         self.version = 0
         with single_thread():

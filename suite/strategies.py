@@ -24,7 +24,7 @@ import torch
 from fp8rl.reference.formats import decode_codes, get_format
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import PRESETS
-from fp8rl.reference.quant import Granularity, expand_scale
+from fp8rl.reference.quant import Granularity, GranularityKind, expand_scale
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -51,12 +51,13 @@ _f32 = np.float32
 
 def register_profiles() -> None:
     """Register the ``ci``, ``dev``, ``nightly`` and ``mutants`` hypothesis profiles (idempotent)."""
-    common = {"deadline": None, "print_blob": True}
-    settings.register_profile("ci", derandomize=True, database=None, max_examples=CI_MAX_EXAMPLES, **common)
+    settings.register_profile("ci", derandomize=True, database=None, max_examples=CI_MAX_EXAMPLES, deadline=None,
+                              print_blob=True)
     settings.register_profile("dev", max_examples=50, deadline=None)
-    settings.register_profile("nightly", max_examples=10 * CI_MAX_EXAMPLES, **common)
+    settings.register_profile("nightly", max_examples=10 * CI_MAX_EXAMPLES, deadline=None, print_blob=True)
     settings.register_profile("mutants", derandomize=True, database=None, max_examples=CI_MAX_EXAMPLES,
-                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target], **common)
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target], deadline=None,
+                              print_blob=True)
 
 
 def load_profile(name: str) -> str:
@@ -232,7 +233,7 @@ def block_shapes(draw, block: int | tuple[int, int] = (8, 16), *, max_row_blocks
     return (1, bk * huge_k_blocks + draw(st.integers(0, bk - 1)))
 
 
-def granularities(kinds: Sequence[str] = ("tensor", "token", "channel", "group", "block"), *,
+def granularities(kinds: Sequence[GranularityKind] = ("tensor", "token", "channel", "group", "block"), *,
                   group_sizes: Sequence[int] = (4, 8, 16), block_sizes: Sequence[int | tuple[int, int]] = (
                       4, (4, 8), (8, 4))) -> st.SearchStrategy[Granularity]:
     """Granularities of the given kinds with small (CI-sized) group and block sizes."""

@@ -35,7 +35,7 @@ class ReferenceEngine(Engine):
     description = "fp8rl's own oracle (bit-level casts, explicit ScalePolicy quantizers, exact fp64 block GEMM)"
 
     #: overflow policy of cast() per format (the CUDA SATFINITE convention for every format)
-    CAST_OVERFLOW: dict[str, str] = {f: "saturate" for f in ELEMENT_FORMATS}
+    CAST_OVERFLOW: dict[str, formats.OverflowPolicy] = {f: "saturate" for f in ELEMENT_FORMATS}
 
     def __init__(self, policies: dict[str, str | ScalePolicy] | None = None) -> None:
         base: dict[str, str | ScalePolicy] = {k: "reference" for k in QUANT_KINDS}
@@ -57,7 +57,7 @@ class ReferenceEngine(Engine):
         caps.update(self._caps_e2e())
         return caps
 
-    def cast_overflow(self, fmt: str) -> str:
+    def cast_overflow(self, fmt: str) -> formats.OverflowPolicy:
         return self.CAST_OVERFLOW[formats.get_format(fmt).name]
 
     def scale_policy(self, kind: str) -> ScalePolicy:

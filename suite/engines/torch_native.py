@@ -19,7 +19,7 @@ import math
 import torch
 from fp8rl import capabilities
 from fp8rl.engine import CapabilityMap, Engine, Unsupported
-from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.policy import OverflowPolicy, ScalePolicy
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
@@ -29,7 +29,7 @@ _TORCH_FP8 = {
     "e4m3fnuz": "float8_e4m3fnuz",
     "e5m2fnuz": "float8_e5m2fnuz",
 }
-_CAST_OVERFLOW = {"e4m3fn": "saturate", "e5m2": "inf", "e4m3fnuz": "nan", "e5m2fnuz": "nan"}
+_CAST_OVERFLOW: dict[str, OverflowPolicy] = {"e4m3fn": "saturate", "e5m2": "inf", "e4m3fnuz": "nan", "e5m2fnuz": "nan"}
 _EPS = 1e-10
 _FP8_MAX = 448.0
 
@@ -73,7 +73,7 @@ class TorchEngine(Engine):
                                                                 "scaled_dot_product_attention"))
         return caps
 
-    def cast_overflow(self, fmt: str) -> str:
+    def cast_overflow(self, fmt: str) -> OverflowPolicy:
         return _CAST_OVERFLOW[fmt]
 
     def scale_policy(self, kind: str) -> ScalePolicy:

@@ -26,7 +26,7 @@ class _CastMutant(ReferenceEngine):
     def _mutate_cast(self, x32: np.ndarray, codes: np.ndarray, fmt: str) -> np.ndarray:
         raise NotImplementedError
 
-    def _encode(self, x: torch.Tensor, fmt: str, overflow: str) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor, fmt: str, overflow: formats.OverflowPolicy) -> torch.Tensor:
         x32 = x.detach().float().cpu().numpy()
         codes = formats.encode_codes(x32, fmt, overflow)
         return torch.from_numpy(self._mutate_cast(x32, codes, fmt)).reshape(x.shape)
