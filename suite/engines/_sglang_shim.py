@@ -81,7 +81,7 @@ def _importer_is_sglang() -> bool:
     ``import`` statement or ``__import__``); ``importlib.util.find_spec`` calls ``_find_spec`` directly and is
     refused. The importer is the first frame above that is not importlib's own.
     """
-    f = sys._getframe(2)  # 0: this function, 1: find_spec, 2: importlib._bootstrap._find_spec
+    f: types.FrameType | None = sys._getframe(2)  # 0: this function, 1: find_spec, 2: importlib._bootstrap._find_spec
     if f is None or f.f_code.co_name != "_find_spec" or f.f_back is None \
             or f.f_back.f_code.co_name not in _IMPORT_FRAMES:
         return False

@@ -134,6 +134,7 @@ def _faithful_convert(input: Any, input_dtype: Any, output_dtype: Any, rounding_
     down = (src is not None and dst is not None and input_dtype.primitive_bitwidth > output_dtype.primitive_bitwidth)
     if _state["mode"] != "faithful" or not (down and rtne):
         return original(input, input_dtype, output_dtype, rounding_mode)
+    assert src is not None and dst is not None  # `down` holds only for dtypes both in the map
     same_width = {16: np.int16, 32: np.int32}[input_dtype.primitive_bitwidth]  # reinterpret the bits, no copy
     t = torch.from_numpy(np.ascontiguousarray(input).view(same_width)).view(src).to(torch.float32)
     if dst in (torch.float8_e4m3fn, torch.float8_e5m2):

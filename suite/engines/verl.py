@@ -174,12 +174,8 @@ def _import_verl() -> tuple[Any, str | None]:
             return None, INSTALL_HINT
         return None, f"verl is installed but does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
 
-    class _Mods:
-        pass
-
-    mods = _Mods()
-    mods.verl, mods.helper, mods.core, mods.debug = verl, rollout_corr_helper, core_algos, debug_metrics
-    mods.actor_config = FSDPActorConfig
+    mods = types.SimpleNamespace(verl=verl, helper=rollout_corr_helper, core=core_algos, debug=debug_metrics,
+                                 actor_config=FSDPActorConfig)
     return mods, None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fp8rl.engines.reference import ReferenceEngine
 
@@ -24,7 +25,10 @@ class Mutant:
     factory: Callable[[], ReferenceEngine]
 
 
-def mutant(name: str, description: str, *, kills: Sequence[str]) -> Callable[[type], type]:
+_M = TypeVar("_M", bound=ReferenceEngine)
+
+
+def mutant(name: str, description: str, *, kills: Sequence[str]) -> Callable[[type[_M]], type[_M]]:
     """Class decorator declaring a mutant: its name (``mutant:<name>`` as an engine), its bug, and its killers.
 
     The area is the module's name (``fp8rl.mutants.kv`` → ``kv``); :mod:`fp8rl.mutants` collects every decorated
@@ -33,10 +37,11 @@ def mutant(name: str, description: str, *, kills: Sequence[str]) -> Callable[[ty
     if not kills or not all(isinstance(k, str) and k for k in kills):
         raise ValueError(f"mutant {name!r}: kills: expected the ids of the checks that kill it, got {kills!r}")
 
-    def deco(cls: type) -> type:
+    def deco(cls: type[_M]) -> type[_M]:
         cls.name = f"mutant:{name}"
         cls.description = description
-        cls.fp8rl_mutant = Mutant(name, description, cls.__module__.rsplit(".", 1)[-1], kills, cls)
+        # a marker read from the class's own __dict__ (fp8rl.mutants), not an Engine attribute
+        setattr(cls, "fp8rl_mutant", Mutant(name, description, cls.__module__.rsplit(".", 1)[-1], kills, cls))  # noqa: B010
         return cls
 
     return deco

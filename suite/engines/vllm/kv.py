@@ -51,7 +51,8 @@ def default_kv_scales() -> tuple[float, float, float]:
 
     layer = torch.nn.Module()
     set_default_quant_scales(layer, register_buffer=True)
-    return float(layer._q_scale_float), float(layer._k_scale_float), float(layer._v_scale_float)
+    # torch types Module.__getattr__ as Tensor | Module; vLLM sets these as plain float attributes
+    return float(layer._q_scale_float), float(layer._k_scale_float), float(layer._v_scale_float)  # type: ignore[arg-type]
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:

