@@ -79,6 +79,7 @@ def _log_weight_err(b: Batch, level: str) -> torch.Tensor:
 
 
 def _weight_rel(b: Batch, cfg: C.CorrectionConfig) -> torch.Tensor:
+    assert cfg.rollout_is is not None  # weights are compared only when IS is on
     counts = (int(_m(b).sum()), b.mask.shape[0]) if cfg.rollout_is_batch_normalize else None
     return tolerances.corr_weight_rel_bound(_log_weight_err(b, cfg.rollout_is), counts)
 
@@ -90,6 +91,7 @@ def _near(value: torch.Tensor, threshold: float, value_err: torch.Tensor, m: tor
 
 def _ambiguous_is(b: Batch, cfg: C.CorrectionConfig) -> bool:
     """A raw log weight near log lo / log hi (IcePop keep decision or a fraction metric)."""
+    assert cfg.rollout_is is not None and cfg.is_upper is not None and cfg.is_lower is not None
     m = _m(b)
     lw = C.raw_log_weights(_delta(b), m, cfg.rollout_is)
     err = _log_weight_err(b, cfg.rollout_is)
@@ -103,7 +105,11 @@ def _ambiguous_rs(b: Batch, cfg: C.CorrectionConfig) -> bool:
     for opt, (lo, hi) in cfg.rs_bounds.items():
         _, stat = C.rs_keep(d, m, opt, (lo, hi))
         err = tolerances.corr_stat_err(d, C.rs_token_stats(d)[opt[-2:]], m, opt, C.SAFETY_BOUND)
-        thrs = [math.log(hi), math.log(lo)] if opt.endswith("k1") else [hi]
+        if opt.endswith("k1"):
+            assert lo is not None  # parse_rs: k1 options always have a lower bound
+            thrs = [math.log(hi), math.log(lo)]
+        else:
+            thrs = [hi]
         if any(_near(stat, t, err, m) for t in thrs):
             return True
     if cfg.rollout_token_veto_threshold is not None:

@@ -109,7 +109,7 @@ def attention_case(rng: np.random.Generator, case: str, fmt: str, layout: str):
     pol = kvref.default_policy(fmt, layout)
     kc = kvref.quantize_kv(k, amax_scale(k, layout, fmt), pol)
     vc = kvref.quantize_kv(v, amax_scale(v, layout, fmt), pol)
-    if kv_lengths is not None:  # garbage (NaN codes included) beyond each sequence's kv_len
+    if kl is not None:  # garbage (NaN codes included) beyond each sequence's kv_len
         for cache in (kc, vc):
             for i, n in enumerate(kl):
                 junk = rng.integers(0, 256, size=cache.codes[i, n:].shape).astype(np.uint8)

@@ -320,8 +320,8 @@ def cmd_claims(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title=f"{len(claims)} perf claims", title_justify="left")
-    for c in ("id", "model", "engine", "hw class", "comparison", "band", "gate", "source"):
-        t.add_column(c, no_wrap=c != "source", overflow="ellipsis", max_width=48 if c == "source" else None)
+    for col in ("id", "model", "engine", "hw class", "comparison", "band", "gate", "source"):
+        t.add_column(col, no_wrap=col != "source", overflow="ellipsis", max_width=48 if col == "source" else None)
     for c in claims:
         hwc = c.hardware_class if isinstance(c.hardware_class, str) else ",".join(c.hardware_class)
         t.add_row(c.id, c.model, c.engine, hwc, f"{c.config}/{c.baseline}",

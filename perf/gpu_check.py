@@ -145,7 +145,8 @@ def run_gemm(out: Path, *, device: str, m_values, shapes: dict, repeats: int, it
     timer = _Timer(cuda)
     hw_block = hardware_block(hardware_name) if hardware_name else (
         hardware_block(None) if cuda else {"name": None, "class": "cpu", "device": "cpu"})
-    hw = pm.load_hardware(hw_block["name"]) if hw_block.get("name") else None
+    hw_name = hw_block.get("name")
+    hw = pm.load_hardware(hw_name) if hw_name else None
     runs, ceilings, details, configs = [], {}, {}, ["bf16", "fp8-row"]
     seq = 0
     for sname, (n, k) in shapes.items():
