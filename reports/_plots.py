@@ -202,8 +202,8 @@ def render_plot_spec(spec: dict) -> bytes | None:
     xpos = list(range(len(xs))) if categorical else [as_float(x) for x in xs]
     series = {}
     for name, ys in (spec.get("series") or {}).items():
-        vals = [as_float(y) for y in ys]
-        vals = [math.nan if v is None else v for v in vals]
+        parsed = [as_float(y) for y in ys]
+        vals = [math.nan if v is None else v for v in parsed]
         if any(math.isfinite(v) for v in vals):
             series[name] = vals
     if not xs or not series:

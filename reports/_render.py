@@ -142,13 +142,13 @@ def render_junit(report: dict) -> bytes:
             {"classname": clean(c["area"]), "name": clean(check_label(c)), "time": f"{c['duration_s']:.3f}",
              "file": clean(c["nodeid"].split("::")[0])},
         )
-        props = {"title": c["title"], "nodeid": c["nodeid"]}
+        tc_props = {"title": c["title"], "nodeid": c["nodeid"]}
         if c.get("bound"):
-            props["bound"] = c["bound"]
+            tc_props["bound"] = c["bound"]
         if c["metrics"]:
-            props["metrics"] = json.dumps(c["metrics"], sort_keys=True)
+            tc_props["metrics"] = json.dumps(c["metrics"], sort_keys=True)
         pe = ET.SubElement(tc, "properties")
-        for k, v in props.items():
+        for k, v in tc_props.items():
             ET.SubElement(pe, "property", {"name": k, "value": clean(v)})
         msg, head = clean(c["message"]), first_line(c["message"])[:500]
         o = c["outcome"]
