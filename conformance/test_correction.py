@@ -849,3 +849,138 @@ def test_kl_estimators_stat(engine, rng):
             record_metrics(err_over_bound=abs(est - kl) / half)
             assert abs(est - kl) <= half, (f"{key}: estimate {est:.6g} vs true KL {kl:.6g} (vocab {vocab}, n {n}): "
                                            f"|err| {abs(est - kl):.3g} > z·σ/√n = {half:.3g}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# options of other RL frameworks (TRL, AReaL, OpenRLHF, SkyRL): masked IS with an upper bound only, the extra
+# weight/log-prob metrics they report, decoupled PPO's proximal policy and loss
+
+
+def _mis_cfg(level: str, hi: float) -> C.CorrectionConfig:
+    return C.CorrectionConfig(level, f"0_{hi!r}")
+
+
+#: fixed MIS example (hi = 2): row 0 has Π ρ = 1/8 = 1/(4·hi) (kept: no lower bound), row 1 Π ρ = 8 (zeroed at both
+#: levels), row 2 two tokens with ρ = e^-1.5 each (kept at both levels)
+MIS_ANCHOR = _anchor_batch([[-math.log(8.0)], [math.log(8.0)], [-1.5, -1.5]])
+
+
+@check("CORR-SMIS-001", "Masked IS with an upper bound only ('0_hi'; TRL's *_mask modes without clip_min): token "
+       "level w_t = ρ_t if ρ_t ≤ hi else 0, sequence level w_i = Π ρ_t if Π ρ_t ≤ hi else 0 on every valid token "
+       "of the row; small ratios are never rejected (no lower bound, no implied 1/hi); the mask is unchanged.",
+       bound=IS_DECISION_BOUNDS, requires=[CAP])
+def test_mis_upper_only_bound(engine):
+    for level in ("token", "sequence"):
+        _full_compare(engine, MIS_ANCHOR, _mis_cfg(level, 2.0))
+
+    @_no_shrink()
+    @given(batches(max_delta=1.0), st.sampled_from(["token", "sequence"]), tis_thresholds())
+    def inner(b, level, hi):
+        cfg = _mis_cfg(level, hi)
+        m = _m(b)
+        lw = C.raw_log_weights(_delta(b), m, level)
+        assume(not _near(lw, math.log(hi), _log_weight_err(b, level), m))
+        _assume_some_weight(b, cfg)
+        _full_compare(engine, b, cfg)
+
+    inner()
+
+
+EXTRA_KEYS = ("is_weight_min", "is_weight_max", "is_weight_row_mean", "abs_logp_diff_mean", "abs_logp_diff_max")
+
+
+@check("CORR-MET-007", "Weight extremes and log-prob differences (TRL's importance_sampling_ratio min/mean/max and "
+       "sampling_logp_difference mean/max): min and max of the applied weight over valid tokens, the mean of the "
+       "row weights over valid rows, mean and max of |δ_t| over valid tokens equal the oracle's; padding and "
+       "empty rows never enter them.", bound=("corr_metric", "corr_decision_band", "corr_weight"), requires=[CAP])
+def test_extra_metrics(engine):
+    for level in ("token", "sequence"):  # fixed: padding on every row but the last, one empty row
+        b = _anchor_batch([[0.5, -0.25, 0.75], [0.25], [], [-0.5, 0.5, 0.25, 1.0]])
+        _compare_metric_keys(engine, b, C.CorrectionConfig(level, 3.0), EXTRA_KEYS)
+
+    @_no_shrink()
+    @given(batches(), is_configs(normalize=False))
+    def inner(b, cfg):
+        assume(not _ambiguous(b, cfg))
+        _assume_some_weight(b, cfg)
+        _compare_metric_keys(engine, b, cfg, EXTRA_KEYS)
+
+    inner()
+
+
+PROX = "rollout_correction.proximal"
+
+
+def _prox_case(seed: int, rows: int, cols: int, current: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(behave log-probs, current-policy log-probs, versions): versions −1 (prompt), v_θ (fresh), v_θ − 1 (the
+    proximal policy itself) or older, down to 0."""
+    b = make_batch(seed, rows, cols, max_delta=2.0, pad="zero", empty_rows=False)
+    r = np.random.default_rng(seed + 7)
+    versions = torch.from_numpy(r.integers(-1, current + 1, size=(rows, cols))).long()
+    return b.rollout_logp, b.train_logp, versions
+
+
+def _compare_prox(engine, lb: torch.Tensor, lt: torch.Tensor, versions: torch.Tensor, current: int, method: str,
+                  ctx: str) -> None:
+    got = engine.proximal_logp(lb, lt, versions, current, method)
+    assert isinstance(got, torch.Tensor) and got.shape == lb.shape, \
+        f"{ctx}: expected a tensor of shape {tuple(lb.shape)}, got {getattr(got, 'shape', type(got).__name__)}"
+    ref = C.proximal_logp(lb.double(), lt.double(), versions, current, method)
+    assert_within_bound(got.detach().double(), ref, tolerances.corr_prox_bound(lb, lt), context=ctx)
+
+
+@check("CORR-PROX-001", "Decoupled PPO's proximal policy without a forward pass: α = clamp((v_θ − 1 − v)/(v_θ − v), "
+       "0, 1) for generated tokens (0 ≤ v < v_θ), 0 for prompt tokens (v < 0) and fresh ones; loglinear log π_prox "
+       "= l_b + α(l_θ − l_b), linear log π_prox = log((1 − α)e^{l_b} + α·e^{l_θ}) — exact for small probabilities "
+       "too (log-probs −30 stay −30: no additive floor).", bound="corr_prox", requires=[PROX])
+def test_proximal_logp_bound(engine):
+    # fixed: v_θ = 4; versions 3 (α = 0), 2 (α = ½), 0 (α = ¾), −1 (prompt); log-probs −30 and −40 (p ≈ 1e-13..1e-18)
+    lb = torch.tensor([[-30.0, -30.0, -40.0, -1.0], [-0.5, -2.0, -30.0, -8.0]])
+    lt = torch.tensor([[-30.0, -31.0, -36.0, -3.0], [-1.5, -0.25, -30.0, -8.0]])
+    versions = torch.tensor([[3, 2, 0, -1], [0, 2, 2, 4]])
+    for method in ("loglinear", "linear"):
+        _compare_prox(engine, lb, lt, versions, 4, method, f"fixed log-probs down to −40, v_θ = 4, {method}")
+    for seed in range(20):
+        current = 1 + seed % 6
+        lb, lt, versions = _prox_case(seed, 3 + seed % 4, 5 + seed % 9, current)
+        for method in ("loglinear", "linear"):
+            _compare_prox(engine, lb, lt, versions, current, method, f"seed {seed}, v_θ = {current}, {method}")
+
+
+DECOUPLED = "rollout_correction.decoupled"
+
+
+@check("CORR-DPPO-001", "Decoupled PPO loss: L = Σ_t m'_t·w_t·PPO-clip(π_θ/π_prox, A)_t / Σ_t m_t with the behaviour "
+       "weight w = π_prox/π_behave truncated (TIS) or masked (IcePop) and m' the mask after rejection, the clip "
+       "ratio taken against the proximal policy (not the behaviour policy), the original valid-token count as "
+       "denominator, and ∂L/∂log π_θ treating w as a constant.", bound=("corr_loss", "corr_loss_headroom"),
+       requires=[DECOUPLED])
+def test_decoupled_ppo_loss(engine):
+    lcfg = C.LossConfig(kind="ppo_clip", agg="token-mean", clip_ratio_c=3.0)
+    for seed in range(3):
+        b = make_batch(seed, 5, 11, max_delta=1.0, empty_rows=True)
+        r = np.random.default_rng(seed + 1)
+        m = _m(b)
+        prox, behave = b.train_logp, b.rollout_logp
+        logp = torch.where(m, prox + torch.from_numpy(r.normal(0, 0.3, b.mask.shape).astype(np.float32)),
+                           torch.zeros(()))
+        adv = torch.from_numpy(r.normal(0, 1, b.mask.shape).astype(np.float32))
+        for ccfg in (C.CorrectionConfig("token", 2.0), C.CorrectionConfig("token", "0.5_2.0")):
+            ctx = f"decoupled PPO, seed {seed}, behaviour weight {ccfg.rollout_is} {ccfg.rollout_is_threshold!r}"
+            x = logp.clone().requires_grad_(True)
+            got = engine.decoupled_loss(x, prox, behave, adv, b.mask, lcfg, ccfg)
+            assert isinstance(got, torch.Tensor) and got.dim() == 0, f"{ctx}: expected a scalar tensor"
+            (g_grad,) = torch.autograd.grad(got, x)
+            xr = logp.clone().double().requires_grad_(True)
+            ref = C.decoupled_ppo_loss(xr, prox, behave, adv, b.mask, lcfg, ccfg)
+            (r_grad,) = torch.autograd.grad(ref, xr)
+            w, _, _ = C.is_weights(_delta(b), m, ccfg)
+            per = C.ppo_clip_token_loss(logp.double(), prox.double(), adv.double(), lcfg)
+            zero = torch.zeros((), dtype=torch.float64)
+            mag = float(torch.where(m, (per * w).abs(), zero).sum() / m.sum()) * LOSS_HEADROOM
+            n = int(m.sum())
+            L = float(torch.where(m, (logp - prox).abs() + logp.abs() + _delta(b).abs(), torch.zeros(())).max())
+            assert_within_bound(got.detach(), ref.detach(), tolerances.corr_loss_bound(mag, n, L),
+                                context=f"{ctx}: loss")
+            gmag = float(r_grad.abs().max()) * LOSS_HEADROOM
+            assert_within_bound(g_grad, r_grad, tolerances.corr_loss_bound(gmag, n, L), context=f"{ctx}: ∂loss/∂logp")

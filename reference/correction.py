@@ -17,7 +17,8 @@ IS weights (``rollout_is``; all detached, zero on padding):
 * ``"geometric"`` w_i = exp(C(mean_t δ_t)) — geometric-mean ratio — broadcast
 
 then ``rollout_is_threshold``: a float U gives TIS, w = min(w, U) (no lower truncation); ``"lo_hi"`` (or a
-(lo, hi) pair) gives IcePop/MIS, w kept iff lo ≤ w ≤ hi, else 0 — the mask is not changed. Optional batch
+(lo, hi) pair) gives IcePop/MIS, w kept iff lo ≤ w ≤ hi, else 0 — the mask is not changed; lo = 0 ("0_hi") is MIS
+with an upper bound only (TRL's ``*_mask`` modes without ``clip_min``). Optional batch
 normalization divides by μ (token level: mean over valid tokens; sequence/geometric level: mean of the row
 weights over valid rows) when μ > 1e-8; it is applied after truncation, and the IS metrics are taken before it.
 
@@ -69,23 +70,35 @@ def _positive(name: str, value: Any) -> float:
     return v
 
 
+def _nonnegative(name: str, value: Any) -> float:
+    """A lower bound of an IS band: 0 is allowed (MIS with an upper bound only), negatives are not."""
+    try:
+        if not isinstance(value, bool) and float(value) == 0.0:
+            return 0.0
+    except (TypeError, ValueError):
+        pass
+    return _positive(name, value)
+
+
 def parse_is_threshold(spec: Any) -> tuple[float | None, float]:
     """``rollout_is_threshold`` → (lower or None for TIS, upper). Floats and float strings are TIS; ``"lo_hi"``
-    strings and (lo, hi) pairs are IcePop bounds. Bools, non-positive values and lo > hi are errors."""
+    strings and (lo, hi) pairs are IcePop bounds, and a lower bound 0 (``"0_hi"``) is masked IS (MIS) with an upper
+    bound only: w kept iff w ≤ hi. Bools, non-positive upper bounds, negative lower bounds and lo > hi are
+    errors."""
     name = "rollout_is_threshold"
     if isinstance(spec, bool):
         raise TypeError(f"{name}: expected a positive float (TIS) or a 'lo_hi' string (IcePop), got bool {spec!r}")
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
             raise ValueError(f"{name}: expected a (lo, hi) pair, got {len(spec)} values {spec!r}")
-        lo, hi = _positive(f"{name} lower bound", spec[0]), _positive(f"{name} upper bound", spec[1])
+        lo, hi = _nonnegative(f"{name} lower bound", spec[0]), _positive(f"{name} upper bound", spec[1])
     elif isinstance(spec, str):
         s = spec.strip()
         if not s:
             raise ValueError(f"{name}: expected a positive float or a 'lo_hi' string, got an empty string")
         if "_" in s:
             a, b = s.split("_", 1)
-            lo, hi = _positive(f"{name} lower bound", a), _positive(f"{name} upper bound", b)
+            lo, hi = _nonnegative(f"{name} lower bound", a), _positive(f"{name} upper bound", b)
         else:
             return None, _positive(name, s)
     elif isinstance(spec, (int, float)):
@@ -473,12 +486,32 @@ def is_metrics(w: torch.Tensor, raw: torch.Tensor, delta: torch.Tensor, m: torch
         valid = m.any(-1)
         lw = raw_log_weights(delta, m, cfg.rollout_is)[:, 0][valid]
         out["is_fraction_high"] = float((lw > math.log(hi)).double().mean())
-        out["is_fraction_low"] = float((lw < math.log(low)).double().mean())
+        out["is_fraction_low"] = float((lw < math.log(low)).double().mean()) if low > 0 else 0.0
     if lo_b is None:
         out["is_fraction_truncated"] = float(_mm((raw > hi).double(), m))
     else:
         out["is_oob_fraction"] = float(_mm(((raw < lo_b) | (raw > hi)).double(), m))
     return out
+
+
+def weight_extreme_metrics(w: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+    """Extremes and row mean of the applied weights (before batch normalization), over valid positions only.
+
+    ``is_weight_min`` = min_t w_t, ``is_weight_max`` = max_t w_t over valid tokens (an IcePop/MIS-zeroed token counts
+    as 0); ``is_weight_row_mean`` = mean_i (Σ_t m_t w_t / n_i) over valid rows — at sequence levels the mean of the
+    row weights w_i, not token-weighted (TRL logs sampling/importance_sampling_ratio/min, /mean (its sequence-mode
+    mean), /max)."""
+    valid = m.any(-1)
+    vals = w[m]
+    return {"is_weight_min": float(vals.min()), "is_weight_max": float(vals.max()),
+            "is_weight_row_mean": float(_row_mean(w, m)[valid].mean())}
+
+
+def logp_diff_metrics(delta: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+    """``abs_logp_diff_mean`` = mean_t |δ_t| and ``abs_logp_diff_max`` = max_t |δ_t| over valid tokens, on the
+    unclamped δ = log π_train − log π_rollout (TRL's sampling/sampling_logp_difference/mean and /max)."""
+    a = delta.abs()
+    return {"abs_logp_diff_mean": float(_mm(a, m)), "abs_logp_diff_max": float(a[m].max())}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,8 +522,9 @@ def rollout_correction(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
                        config: CorrectionConfig) -> CorrectionResult:
     """IS weights, RS mask and metrics for one batch (the oracle of the ``rollout_correction`` op).
 
-    Metrics: :func:`offpolicy_metrics` always (on the original mask); :func:`is_metrics` when IS is on, plus
-    ``is_batch_norm_factor`` with batch normalization; with RS (or veto): ``rs_masked_fraction`` (share of valid
+    Metrics: :func:`offpolicy_metrics` and :func:`logp_diff_metrics` always (on the original mask);
+    :func:`is_metrics` and :func:`weight_extreme_metrics` when IS is on, plus ``is_batch_norm_factor`` with batch
+    normalization; with RS (or veto): ``rs_masked_fraction`` (share of valid
     tokens rejected), ``rs_seq_masked_fraction`` (share of valid rows with ≥ 1 rejected token) and the same per
     option as ``rs_{option}_masked_fraction`` / ``rs_{option}_seq_masked_fraction`` (option ``veto`` for the veto).
     """
@@ -500,12 +534,14 @@ def rollout_correction(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
     m = mask.detach() != 0
     delta = log_ratio(train_logp, rollout_logp, mask)
     metrics = offpolicy_metrics(train_logp, rollout_logp, mask)
+    metrics.update(logp_diff_metrics(delta, m))
     weights = None
     if config.rollout_is is not None:
         w, raw, factor = is_weights(delta, m, config)
         # metrics on the pre-normalization weights
         w_pre = w * factor if factor is not None else w
         metrics.update(is_metrics(w_pre, raw, delta, m, config))
+        metrics.update(weight_extreme_metrics(w_pre, m))
         if factor is not None:
             metrics["is_batch_norm_factor"] = factor
         dtype = train_logp.dtype if train_logp.is_floating_point() else torch.float32
@@ -579,9 +615,100 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return aggregate(loss, mask, cfg.agg)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# decoupled PPO: the proximal policy (AReaL, Fu et al. 2025 "AReaL: A Large-Scale Asynchronous Reinforcement
+# Learning System for Language Reasoning", §5; Hilton et al. 2021 "Batch size-invariance for policy optimization")
+
+PROX_METHODS = ("loglinear", "linear", "rollout")
+
+
+def proximal_alpha(versions: torch.Tensor, current_version: int) -> torch.Tensor:
+    """Interpolation factor of the approximated proximal policy, per token (float64).
+
+    The proximal policy is the last policy broadcast before the current one, version v_prox = v_θ − 1 (v_θ =
+    ``current_version``); a token sampled by the policy of version v (``versions``, < 0 for prompt tokens) gets
+    α = clamp((v_prox − v) / (v_θ − v), 0, 1) when v ≥ 0 and v_θ > v, else α = 0 (π_prox = π_behave): α = 0 for a
+    token sampled by v_prox itself, α → 1 as the token gets staler."""
+    if not isinstance(versions, torch.Tensor):
+        raise TypeError(f"versions: expected a torch.Tensor of per-token policy versions, got {type(versions).__name__}")
+    if isinstance(current_version, bool) or not isinstance(current_version, int):
+        raise TypeError(f"current_version: expected an int, got {current_version!r}")
+    v = versions.detach().double()
+    vt = float(current_version)
+    ok = (v >= 0) & (vt > v)
+    a = torch.where(ok, (vt - 1.0 - v) / torch.where(ok, vt - v, 1.0), 0.0)
+    return a.clamp(0.0, 1.0)
+
+
+def proximal_logp(behave_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor,
+                  current_version: int, method: str = "loglinear") -> torch.Tensor:
+    """log π_prox approximated from the behaviour policy's log-probs l_b (rollout) and the current policy's l_θ,
+    without a forward pass of the proximal policy (α from :func:`proximal_alpha`):
+
+    * ``"loglinear"``  log π_prox = (1 − α)·l_b + α·l_θ (geometric interpolation in probability space);
+    * ``"linear"``     log π_prox = log((1 − α)·e^{l_b} + α·e^{l_θ}) (arithmetic interpolation), exact for any
+      probability > 0 (no additive floor);
+    * ``"rollout"``    log π_prox = l_b.
+
+    Computed in float64 from the inputs (θ's log-probs detached); returned in ``behave_logp``'s dtype."""
+    if method not in PROX_METHODS:
+        raise ValueError(f"method: unknown proximal approximation {method!r}; expected one of {PROX_METHODS}")
+    for name, t in (("behave_logp", behave_logp), ("theta_logp", theta_logp)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if behave_logp.shape != theta_logp.shape or behave_logp.shape != versions.shape:
+        raise ValueError(f"shape mismatch: behave_logp {tuple(behave_logp.shape)}, theta_logp "
+                         f"{tuple(theta_logp.shape)} and versions {tuple(versions.shape)} must be equal")
+    a = proximal_alpha(versions, current_version)
+    lb, lt = behave_logp.detach().double(), theta_logp.detach().double()
+    if method == "rollout":
+        out = lb
+    elif method == "loglinear":
+        out = lb + a * (lt - lb)
+    else:
+        # log((1−α)e^lb + αe^lt) = M + log((1−α)e^{lb−M} + αe^{lt−M}), M the larger exponent with weight > 0
+        big = torch.where(a >= 1, lt, torch.where(a <= 0, lb, torch.maximum(lb, lt)))
+        out = big + torch.log((1 - a) * torch.exp(lb - big) + a * torch.exp(lt - big))
+    return out.to(behave_logp.dtype)
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behave_logp: torch.Tensor,
+                       advantages: torch.Tensor, mask: torch.Tensor, loss_cfg: LossConfig,
+                       correction: CorrectionConfig) -> torch.Tensor:
+    """Decoupled PPO: the trust region is taken around the proximal policy, the off-policyness of the behaviour
+    (rollout) policy is corrected by an importance weight:
+
+        L = Σ_t m'_t · w_t · ℓ_t / Σ_t m_t,   ℓ_t = PPO-clip(r_t = π_θ/π_prox, A_t) (:func:`ppo_clip_token_loss`),
+
+    with (w, m') = :func:`rollout_correction` (log π_prox, log π_behave, m, ``correction``) — w the behaviour IS
+    weight π_prox/π_behave after its truncation/masking (1 when ``correction.rollout_is`` is None), m' the mask
+    after rejection — and the denominator the *original* count of valid tokens (token-mean; a rejected token adds 0
+    but still counts, so rejection does not rescale the surviving tokens' gradients). Only ``loss_cfg.kind ==
+    "ppo_clip"`` and ``agg == "token-mean"`` are defined. Gradients flow into ``logp`` only; float64."""
+    if not isinstance(loss_cfg, LossConfig):
+        raise TypeError(f"loss_cfg: expected a LossConfig, got {type(loss_cfg).__name__}")
+    if loss_cfg.kind != "ppo_clip" or loss_cfg.agg != "token-mean":
+        raise ValueError(f"loss_cfg: decoupled PPO is defined for kind='ppo_clip', agg='token-mean'; got "
+                         f"kind={loss_cfg.kind!r}, agg={loss_cfg.agg!r}")
+    res = rollout_correction(prox_logp, behave_logp, mask, correction)
+    m = mask.detach() != 0
+    kept = res.mask.detach() != 0
+    zero = torch.zeros((), dtype=torch.float64)
+    lp = torch.where(m, logp.double(), zero)
+    prox = torch.where(m, prox_logp.detach().double(), zero)
+    adv = torch.where(m, advantages.detach().double(), zero)
+    loss = ppo_clip_token_loss(lp, prox, adv, loss_cfg)
+    if correction.rollout_is is not None:  # the float64 weights (res.weights is rounded to the inputs' dtype)
+        w, _, _ = is_weights(log_ratio(prox_logp, behave_logp, mask), m, correction)
+        loss = loss * w
+    return torch.where(kept, loss, zero).sum() / m.sum()
+
+
 __all__ = [
     "IS_LEVELS", "LOSS_AGG_MODES", "LOSS_KINDS", "PERPLEXITY_METRICS", "RS_OPTIONS", "SAFETY_BOUND",
-    "CorrectionConfig", "CorrectionResult", "LossConfig", "aggregate", "batch_norm_factor", "is_metrics",
+    "PROX_METHODS", "CorrectionConfig", "CorrectionResult", "LossConfig", "aggregate", "batch_norm_factor",
+    "decoupled_ppo_loss", "is_metrics", "logp_diff_metrics", "proximal_alpha", "proximal_logp",
+    "weight_extreme_metrics",
     "is_weights", "log_ratio", "offpolicy_metrics", "parse_is_threshold", "parse_rs", "policy_loss",
     "ppo_clip_token_loss", "raw_log_weights", "rollout_correction", "rs_keep", "rs_token_stats", "validate_inputs",
     "veto_keep",

@@ -69,6 +69,12 @@ def _table() -> dict[str, Capability]:
         Capability("rollout_correction.veto", "correction", corr, "the rollout_token_veto_threshold option"),
         Capability("rollout_correction.loss", "correction", corr,
                    "correction_loss: PPO-clip / REINFORCE policy loss weighted by IS weights"),
+        Capability("rollout_correction.proximal", "correction", ("proximal_logp",),
+                   "proximal_logp: decoupled PPO's proximal policy approximated from the behaviour and current "
+                   "policies and per-token versions (loglinear / linear interpolation)"),
+        Capability("rollout_correction.decoupled", "correction", ("decoupled_loss",),
+                   "decoupled_loss: decoupled PPO, PPO-clip around the proximal policy × the behaviour IS weight "
+                   "π_prox/π_behave, token-mean over the original mask"),
         Capability("weight_sync", "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
                    "weight_sync: BF16 → FP8 128×128 state-dict sync (*_weight_scale_inv), exclusions"),
         Capability("rollout", "e2e", _ROLLOUT_OPS, "rollout_init / rollout: generation with reported log-probs"),

@@ -453,6 +453,9 @@ def corr_metric_magnitudes(train_logp, rollout_logp, valid, safety_bound: float,
     * is_weight_mean = mean_t w: mean_t(w)·(1 + T·L) — a sequence weight's relative error is ≤ e^E − 1 with E ≤
       γ_T(u)·Σ_i|δ| ≲ T·L·u (corr_weight), (1 + T·L) turns the bound's (L + 2)·u into ≥ T·L·u; is_ess (a ratio
       of two such sums, squared numerator): 3·(1 + T·L); is_batch_norm_factor: μ·(1 + T·L) (1 when μ is None).
+      is_weight_min/max: max_t w·(1 + T·L) (each weight within that relative bound, min/max add no rounding);
+      is_weight_row_mean = mean_i(Σ_i w/n_i): the same aggregation of w times (1 + T·L).
+    * abs_logp_diff_mean/max = mean/max_t |lo − lr|: one subtraction per term: mean_t / max_t (|lo| + |lr|).
 
     L = max_t(|lo| + |lr| + 2|δ|) is the largest exp argument; N + B counts the valid tokens and all rows.
     Returns fp64 Python floats.
@@ -507,10 +510,18 @@ def corr_metric_magnitudes(train_logp, rollout_logp, valid, safety_bound: float,
     k = p_tr.numel()
     if min(nx, ny) > 0:
         M["probs_pearson_corr"] = 4 * math.sqrt(k) * (1 + k) * pmag / min(nx, ny)
+    # abs_logp_diff_mean/max = mean/max_t |lo − lr|: one subtraction of the inputs per term, M = the same
+    # aggregation of |lo| + |lr| (the parts before cancellation)
+    M["abs_logp_diff_mean"] = mm(lo.abs() + lr.abs())
+    M["abs_logp_diff_max"] = float(torch.where(m, lo.abs() + lr.abs(), z).max())
     if is_weights is not None:
         w = torch.as_tensor(is_weights).double()
         amp = 1 + m.shape[-1] * L
         M["is_weight_mean"] = mm(w) * amp
+        # min/max/row mean of the weights: each weight within (1 + T·L)·u-relative as for is_weight_mean; M = the
+        # largest weight (min, max) or the row-mean aggregation of the weights, times the same amplification
+        M["is_weight_min"] = M["is_weight_max"] = float(torch.where(m, w, z).max()) * amp
+        M["is_weight_row_mean"] = float((rsum(w) / nv).mean()) * amp
         M["is_ess"] = 3 * amp
         M["is_batch_norm_factor"] = (norm_factor or 1.0) * amp
     return M, L, int(m.sum()) + m.shape[0]
@@ -601,6 +612,30 @@ CORR_LOSS_HEADROOM = _register(
     "Measured error/bound with it (ci profile): 0.0031 for veRL 0.9.1, 0.0012 for the reference engine, i.e. "
     "≤ 0.013 without it.",
 )
+
+
+CORR_PROX = _register(
+    "corr_prox",
+    8,
+    "Decoupled PPO's approximated proximal log-prob (CORR-PROX-001) computed in the inputs' dtype (u) vs the "
+    "float64 oracle (fp8rl.reference.correction.proximal_logp). α = (v_θ − 1 − v)/(v_θ − v) of exact small "
+    "integers: one division, relative error ≤ u. loglinear l_b + α(l_θ − l_b): a subtraction, a product, an "
+    "addition, each ≤ u relative to a result of magnitude ≤ |l_b| + |l_θ|, plus α's error times |l_θ − l_b|: "
+    "≤ 4u·(|l_b| + |l_θ|). linear log((1−α)e^{l_b} + αe^{l_θ}): each exp has an argument exact and a result "
+    "≤ 2u relative (a last-ulp exp), the two products and the sum ≤ 3u, α's error ≤ u: the argument of the log is "
+    "≤ 6u relative, so the log is ≤ 6u absolute plus its own rounding u·|result| ≤ u·(|l_b| + |l_θ|). Bound "
+    "(corr_prox_bound) per token: value·u·(|l_b| + |l_θ| + 1), value 8 covers both with room (4 + 1 and 6 + 1).",
+)
+
+
+def corr_prox_bound(behave_logp, theta_logp, dtype="float32"):
+    """Elementwise absolute bound on an engine's proximal log-prob (``corr_prox``), as a float64 tensor."""
+    import torch
+
+    u = UNIT_ROUNDOFF[_dtype_name(dtype)]
+    lb = torch.as_tensor(behave_logp).double().abs()
+    lt = torch.as_tensor(theta_logp).double().abs()
+    return CORR_PROX.value * u * (lb + lt + 1) * eval_slack(0)
 
 
 CORR_KL_STAT_Z = _register(

@@ -160,6 +160,19 @@ class ReferenceEngine(Engine):
 
         return correction.policy_loss(logp, old_logp, advantages, mask, weights, config).to(logp.dtype)
 
+    def proximal_logp(self, behave_logp, theta_logp, versions, current_version, method):
+        """Decoupled PPO's approximated proximal policy (``rollout_correction.proximal``): the oracle's."""
+        from fp8rl.reference import correction
+
+        return correction.proximal_logp(behave_logp, theta_logp, versions, current_version, method)
+
+    def decoupled_loss(self, logp, prox_logp, behave_logp, advantages, mask, loss_config, correction_config):
+        """Decoupled PPO loss (``rollout_correction.decoupled``): the oracle's, in ``logp``'s dtype."""
+        from fp8rl.reference import correction
+
+        return correction.decoupled_ppo_loss(logp, prox_logp, behave_logp, advantages, mask, loss_config,
+                                             correction_config).to(logp.dtype)
+
     # -- areas weight_sync and e2e ----------------------------------------------------------------------------------
     # weight_sync: fp8rl.reference.weight_sync (the oracle's block quantizer) under the declared
     # scale_policy("block"); an engine with its own weight-sync kernel overrides weight_sync (or

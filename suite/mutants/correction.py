@@ -184,5 +184,43 @@ class BatchNormPadding(_CorrectionMutant):
         return {"batch_norm_factor": batch_norm_factor}
 
 
-__all__ = ["BatchNormPadding", "InvertedRatio", "K3WrongSign", "NoSafetyClamp", "NoTruncation", "PaddingInMeans",
-           "RsOnWeights", "SeqSumOfRatios", "TwoSidedClamp", "WeightsNotDetached"]
+@mutant("corr-mis-implied-lower", "masked IS with an upper bound only ('0_hi') also rejects ratios below 1/hi, as "
+        "if the band were symmetric", kills=("CORR-SMIS-001",))
+class MisImpliedLower(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        if config.is_bounds is not None and config.is_bounds[0] == 0.0:
+            hi = config.is_bounds[1]
+            config = replace(config, rollout_is_threshold=(1.0 / hi, hi))
+        return C.rollout_correction(train_logp, rollout_logp, mask, config)
+
+
+@mutant("corr-extremes-over-padding", "weight min/max taken over every position, padding (weight 0) included",
+        kills=("CORR-MET-007",))
+class ExtremesOverPadding(_CorrectionMutant):
+    def _patches(self):
+        def weight_extreme_metrics(w, m):
+            valid = m.any(-1)
+            return {"is_weight_min": float(w.min()), "is_weight_max": float(w.max()),
+                    "is_weight_row_mean": float(C._row_mean(w, m)[valid].mean())}
+
+        return {"weight_extreme_metrics": weight_extreme_metrics}
+
+
+@mutant("corr-prox-off-by-one", "the proximal policy taken as version v_θ instead of v_θ − 1 (α off by one version)",
+        kills=("CORR-PROX-001",))
+class ProxOffByOne(ReferenceEngine):
+    def proximal_logp(self, behave_logp, theta_logp, versions, current_version, method):
+        return C.proximal_logp(behave_logp, theta_logp, versions, current_version + 1, method)
+
+
+@mutant("corr-dppo-behave-ratio", "decoupled PPO collapsed to plain PPO on the behaviour policy: the clip ratio is "
+        "π_θ/π_behave and no behaviour weight is applied", kills=("CORR-DPPO-001",))
+class DecoupledBehaveRatio(ReferenceEngine):
+    def decoupled_loss(self, logp, prox_logp, behave_logp, advantages, mask, loss_config, correction_config):
+        return C.decoupled_ppo_loss(logp, behave_logp, behave_logp, advantages, mask, loss_config,
+                                    correction_config).to(logp.dtype)
+
+
+__all__ = ["BatchNormPadding", "DecoupledBehaveRatio", "ExtremesOverPadding", "InvertedRatio", "K3WrongSign",
+           "MisImpliedLower", "NoSafetyClamp", "NoTruncation", "PaddingInMeans", "ProxOffByOne", "RsOnWeights",
+           "SeqSumOfRatios", "TwoSidedClamp", "WeightsNotDetached"]
