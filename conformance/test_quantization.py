@@ -12,6 +12,7 @@ import pytest
 import torch
 from fp8rl import tolerances
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.reference.formats import decode_codes
 from fp8rl.reference.quant import Granularity, quantize
 from hypothesis import given
 from hypothesis import strategies as st
@@ -91,6 +92,31 @@ def test_quantize_edge_values_exact(engine, kind, rng):
     _compare(engine, edge, g, f"quantize[{kind}] edge max in last column {shape}")
     signs = torch.tensor([[448.0, -448.0, 1.0, -1.0] * 32] * 2)
     _compare(engine, signs, g, f"quantize[{kind}] ±448")
+
+
+@KINDS
+@check("QUANT-EDGE-003", "A group holding +inf, -inf or NaN gets the oracle's scale and codes under the declared "
+       "policy (e.g. DeepGEMM's UE8M0 clamps an inf/NaN amax's exponent to 2^127), and the other groups are "
+       "unaffected.", requires=["quantize.{kind}", "quantize_nonfinite"])
+def test_quantize_nonfinite_exact(engine, kind, rng):
+    g, shapes = CASES[kind]
+    shape = shapes[1]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = scaled_normal(rng, shape)
+        x[0, 0] = bad
+        got = engine.quantize(x, g)
+        policy = engine.scale_policy(g.kind)
+        ref = quantize(x, g, policy)
+        context = f"quantize[{kind}] {bad} in the first group {shape}"
+        assert_tensors_equal(got.scale, ref.scale, context=f"{context}: scales ({policy.name})")
+        # a NaN's sign bit comes from the vector unit that produced it, not from the policy: NaN codes are one code
+        assert_codes_equal(_nan_as_one(got.codes, policy.fmt), _nan_as_one(ref.codes, policy.fmt), policy.fmt,
+                           context=f"{context}: codes ({policy.name})", inputs=x)
+
+
+def _nan_as_one(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    nan = torch.from_numpy(np.isnan(decode_codes(codes.cpu().numpy(), fmt))).reshape(codes.shape)
+    return torch.where(nan, torch.full_like(codes, 0x80 if "fnuz" in fmt else 0x7F), codes)
 
 
 @KINDS

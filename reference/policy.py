@@ -12,7 +12,13 @@ Each mode tuple lists the accepted values of one field (the fields' meanings are
   bits, or the multiplier T/amax' rounded down to a power of two;
 * :data:`SCALE_OPS`: s = fl(amax'/T), fl(amax'·fl(1/T)) or fl(1/m) with m = fl(T/amax');
 * :data:`QUANT_OPS`: q = fl(x/s), fl(x·fl(1/s)) or fl(x·m);
-* :data:`ZERO_AMAX_MODES`: what a zero amax gives: the floor rule, s = 1, or NaN (unguarded 0/0).
+* :data:`ZERO_AMAX_MODES`: what a zero (or non-finite) amax gives: the floor rule, s = 1 for some degenerate amaxes,
+  or NaN (unguarded 0/0);
+* :data:`COMPUTE_DTYPES`: the dtype of the scale and quotient arithmetic: fp32, or the input's own dtype;
+* :data:`MULTIPLIER_OPS`: m = fl(T/amax') or fl(fl(1/amax')·T) (torch's ``T / t``);
+* :data:`MULTIPLIER_OVERFLOWS`: what replaces a multiplier that overflows: FLT_MAX, the input dtype's max finite, or
+  nothing (inf);
+* :data:`FLOOR_ORDERS`: a scale floor before or after power-of-two rounding.
 
 Needs only torch and numpy (through :mod:`fp8rl.reference.formats`).
 """
@@ -25,14 +31,18 @@ from typing import Literal
 
 from fp8rl.reference.formats import ELEMENT_FORMATS, OVERFLOW_POLICIES, FP8Format, OverflowPolicy, get_format
 
-__all__ = ["FLOOR_MODES", "POW2_MODES", "QUANT_OPS", "SCALE_OPS", "ZERO_AMAX_MODES", "OverflowPolicy", "ScalePolicy",
-           "check_choice"]
+__all__ = ["COMPUTE_DTYPES", "FLOOR_MODES", "FLOOR_ORDERS", "MULTIPLIER_OPS", "MULTIPLIER_OVERFLOWS", "POW2_MODES",
+           "QUANT_OPS", "SCALE_OPS", "ZERO_AMAX_MODES", "OverflowPolicy", "ScalePolicy", "check_choice"]
 
 FLOOR_MODES: tuple[str, ...] = ("none", "amax", "scale")
 POW2_MODES: tuple[str, ...] = ("none", "ceil_log2", "ceil_bits", "floor_multiplier")
 SCALE_OPS: tuple[str, ...] = ("div", "mul_recip_max", "recip_multiplier")
 QUANT_OPS: tuple[str, ...] = ("div", "mul_recip", "mul_max_over_amax")
-ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "nan")
+ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "one_zero_inf", "one_zero_nan", "nan")
+COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "input")
+MULTIPLIER_OPS: tuple[str, ...] = ("div", "recip_mul")
+MULTIPLIER_OVERFLOWS: tuple[str, ...] = ("flt_max", "input_max", "inf")
+FLOOR_ORDERS: tuple[str, ...] = ("floor_then_pow2", "pow2_then_floor")
 
 
 def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -51,25 +61,51 @@ class ScalePolicy:
     * ``target_max`` T: the value the group's amax is mapped to; None → the format's max finite (448 for e4m3fn).
       ROCm fnuz engines use 224. Must satisfy 0 < T ≤ max finite.
     * ``floor``: where ``eps`` applies: ``"amax"`` (amax' = max(amax, eps)), ``"scale"`` (s = max(s, eps), before
-      pow2 rounding) or ``"none"``. ``eps`` is rounded to fp32 first, as engines pass it as a C float.
+      pow2 rounding unless ``floor_order`` says after) or ``"none"``. ``eps`` is rounded to fp32 first, as engines
+      pass it as a C float.
     * ``pow2``: ``"none"``; ``"ceil_log2"`` s = 2^ceil(fl(log2 s)) with torch's fp32 log2 (vLLM torch/Triton/CUDA
       ``exp2(ceil(log2 s))``: for s a few fp32 ulps above a power of two, fl(log2 s) rounds to the integer, so the
       scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; docs/engine-numerics.md §7);
       ``"ceil_bits"`` s = 2^(e + (mantissa ≠ 0)) on the fp32 bits with the biased exponent clamped to [1, 254]
-      (DeepGEMM ``ceil_to_ue8m0``, SGLang UE8M0); ``"floor_multiplier"`` TE: the multiplier m = fl(T/amax') has its
+      (DeepGEMM ``ceil_to_ue8m0``, SGLang UE8M0): zero and subnormal scales give 2^-126, and an inf or NaN scale
+      (biased exponent 255, plus 1 for NaN's mantissa) gives 2^127; ``"floor_multiplier"`` TE: the multiplier m = fl(T/amax') has its
       mantissa bits zeroed (rounded down to a power of two) and s = 1/m (needs ``scale_op="recip_multiplier"``).
     * ``scale_op``: ``"div"`` s = fl(amax'/T); ``"mul_recip_max"`` s = fl(amax'·fl(1/T)) (1 fp32 ulp from "div" in
-      ~49 % of groups, docs/engine-numerics.md §7); ``"recip_multiplier"`` m = fl(T/amax'), s = fl(1/m) (verl torch, torchao,
-      TE). A multiplier that overflows fp32 (amax' < T/FLT_MAX ≈ 1.3e-36) is replaced by FLT_MAX (TE's rule).
+      ~49 % of groups, docs/engine-numerics.md §7); ``"recip_multiplier"`` m = the multiplier (``multiplier_op``),
+      s = fl32(1/m) (verl torch, torchao, TE, vLLM ``scaled_quantize``).
     * ``quant_op``: ``"div"`` q = fl(x/s); ``"mul_recip"`` q = fl(x·fl(1/s)); ``"mul_max_over_amax"`` q = fl(x·m)
-      with m = fl(T/amax') computed from the amax (SGLang JIT, TE, torchao, verl torch); for pow2 policies m = 1/s
+      with m the multiplier computed from the amax (SGLang JIT, TE, torchao, verl torch); for pow2 policies m = 1/s
       exactly.
     * ``clamp``: clamp q to ±T before the cast (NaN stays NaN).
-    * ``zero_amax``: what a zero amax gives: ``"floor"`` the floor rule (needs ``floor != "none"`` and eps > 0);
-      ``"one"`` scale 1 and multiplier 1 when amax' is 0, ±inf or NaN (TE ``compute_scale_from_amax``; verl torch
-      does it for 0 and inf only); ``"nan"`` unguarded: s = 0 and 0/0 → NaN codes (DeepSeek reference kernel,
-      vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted to store +448 instead, docs/engine-numerics.md §2.1).
+    * ``zero_amax``: what a zero (or non-finite) amax gives: ``"floor"`` the floor rule (needs ``floor != "none"``
+      and eps > 0); ``"one"`` scale 1 and multiplier 1 when amax' is 0, ±inf or NaN (TE ``compute_scale_from_amax``);
+      ``"one_zero_inf"`` the same for 0 and ±inf only, a NaN amax stays NaN (verl ``_scaled_fp8_blockwise_pytorch``:
+      ``where(max_abs == 0 | max_abs == inf, 1, m)``); ``"one_zero_nan"`` the same for 0 and NaN only, an inf amax
+      gives m = T/inf = 0 and s = 1/0 = inf (transformers ``where(max_abs > 0, m, 1)``); ``"nan"`` unguarded: s = 0
+      and 0/0 → NaN codes (DeepSeek reference kernel, vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted
+      to store +448 instead, docs/engine-numerics.md §2.1).
     * ``overflow``: the cast's overflow policy for values that still overflow (no clamp, or ±inf with clamp off).
+    * ``compute_dtype``: ``"fp32"`` every scale, multiplier and quotient operation is an fp32 operation (the input is
+      upcast exactly); ``"input"`` for a bf16 or fp16 input each of them is rounded to the input dtype:
+      R(v) = round-to-nearest-even of v to the input dtype, and every step is R(fp32 op) — amax' = R(max(amax,
+      fl32(eps))), s = R(amax'/T), m = R(T/amax'), q = R(x/s) (or R(x·R(1/s)), R(x·m)), clamp(q, -T, T) — which is
+      the correctly rounded bf16/fp16 result, as 24 ≥ 2p + 2 makes the double rounding innocuous. The returned scale
+      is the fp32 value of the input-dtype s; with ``scale_op="recip_multiplier"`` it is fl32(1/m) of the
+      input-dtype m (vLLM ``scale.float().reciprocal()``). SGLang's ``_native_dynamic_per_token_quant_fp8`` /
+      ``_native_dynamic_per_tensor_quant_fp8`` and vLLM's ``scaled_quantize`` / ``input_to_float8`` compute so.
+      fp32 inputs are unaffected.
+    * ``multiplier_op``: how the multiplier m of ``scale_op="recip_multiplier"`` / ``quant_op="mul_max_over_amax"``
+      is formed: ``"div"`` m = fl(T/amax') (one rounding); ``"recip_mul"`` m = fl(fl(1/amax')·T) (two roundings:
+      torch's ``T / t`` for a Python number T is ``t.reciprocal() * T``; vLLM ``scaled_quantize``,
+      ``input_to_float8``, SGLang ``input_to_float8``, transformers ``Fp8Quantize``).
+    * ``multiplier_overflow``: what replaces a multiplier that overflows to +inf (a finite amax' > 0 below
+      T/max-finite): ``"flt_max"`` FLT_MAX; ``"input_max"`` the input dtype's max finite value (FLT_MAX, 3.3895e38
+      for bf16, 65504 for fp16: TransformerEngine's blockwise quantizer, ``value_for_inf``; invisible after
+      ``floor_multiplier``, which makes both 2^127); ``"inf"`` nothing: m = inf, s = 1/inf = 0, q = x·inf (verl torch,
+      transformers).
+    * ``floor_order``: with ``floor="scale"`` and ``pow2`` ∈ {ceil_log2, ceil_bits}: ``"floor_then_pow2"`` s =
+      pow2(max(s, eps)) (always a power of two; vLLM 0.33.0 ``_quantize_group_native``); ``"pow2_then_floor"`` s =
+      max(pow2(s), eps) (a group below the floor gets the non-power-of-two eps; vLLM ≤ 0.32.0).
     """
 
     name: str
@@ -81,8 +117,12 @@ class ScalePolicy:
     scale_op: Literal["div", "mul_recip_max", "recip_multiplier"] = "div"
     quant_op: Literal["div", "mul_recip", "mul_max_over_amax"] = "div"
     clamp: bool = True
-    zero_amax: Literal["floor", "one", "nan"] = "floor"
+    zero_amax: Literal["floor", "one", "one_zero_inf", "one_zero_nan", "nan"] = "floor"
     overflow: OverflowPolicy = "saturate"
+    compute_dtype: Literal["fp32", "input"] = "fp32"
+    multiplier_op: Literal["div", "recip_mul"] = "div"
+    multiplier_overflow: Literal["flt_max", "input_max", "inf"] = "flt_max"
+    floor_order: Literal["floor_then_pow2", "pow2_then_floor"] = "floor_then_pow2"
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +154,15 @@ class ScalePolicy:
         if self.zero_amax == "floor" and (self.floor == "none" or self.eps == 0):
             raise ValueError("zero_amax: 'floor' needs a floor (floor != 'none' and eps > 0); use zero_amax='one' "
                              f"or 'nan' to say what a zero amax gives (floor={self.floor!r}, eps={self.eps!r})")
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        check_choice("multiplier_op", self.multiplier_op, MULTIPLIER_OPS)
+        check_choice("multiplier_overflow", self.multiplier_overflow, MULTIPLIER_OVERFLOWS)
+        check_choice("floor_order", self.floor_order, FLOOR_ORDERS)
+        if self.floor_order == "pow2_then_floor" and (self.floor != "scale" or self.pow2 not in ("ceil_log2",
+                                                                                                 "ceil_bits")):
+            raise ValueError("floor_order: 'pow2_then_floor' orders a scale floor after power-of-two rounding, so it "
+                             "needs floor='scale' and pow2 'ceil_log2' or 'ceil_bits', got "
+                             f"floor={self.floor!r}, pow2={self.pow2!r}")
         if self.pow2 == "floor_multiplier" and self.scale_op != "recip_multiplier":
             raise ValueError("pow2: 'floor_multiplier' rounds the multiplier T/amax, so it needs "
                              f"scale_op='recip_multiplier', got scale_op={self.scale_op!r}")

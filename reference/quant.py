@@ -11,21 +11,25 @@ multiplier), the clamp before the cast, what a zero amax gives, and the cast's o
 each citing its source. ``ScalePolicy``, ``PRESETS`` and ``get_policy`` are re-exported here.
 
 All scale arithmetic is fp32 with IEEE round-to-nearest (torch CPU fp32 ops: division, multiplication and the
-reciprocal are correctly rounded), exactly like the engines' kernels; the FP8 cast is the bit-level encoder of
-:mod:`fp8rl.reference.formats` (round-to-nearest-even), never torch's fp8 cast.
+reciprocal are correctly rounded), exactly like the engines' kernels — unless the policy says
+``compute_dtype="input"``, where every step is rounded to a bf16/fp16 input's own dtype (R below; the identity for
+fp32); the FP8 cast is the bit-level encoder of :mod:`fp8rl.reference.formats` (round-to-nearest-even), never
+torch's fp8 cast.
 
-Pipeline (every formula is fp32, ``T`` = target max, ``fl`` = fp32 rounding):
+Pipeline (``T`` = target max, ``fl`` = fp32 rounding, ``R`` = fl then the compute-dtype rounding):
 
 1. ``amax = max |x|`` over the group (:func:`compute_amax`; NaN in a group gives a NaN amax).
-2. ``amax' = max(amax, eps)`` if ``floor == "amax"``.
-3. degenerate amax (``amax' == 0``, inf or NaN) with ``zero_amax == "one"`` → scale 1 and multiplier 1.
-4. raw scale by ``scale_op``: ``fl(amax'/T)`` ("div"), ``amax'·fl(1/T)`` ("mul_recip_max") or ``fl(1/m)`` with
-   ``m = fl(T/amax')`` ("recip_multiplier").
-5. ``s = max(s, eps)`` if ``floor == "scale"`` (the floor is applied *before* power-of-two rounding, so pow2
-   policies always give powers of two).
+2. ``amax' = R(max(amax, eps))`` if ``floor == "amax"``.
+3. degenerate amax' with a ``zero_amax`` "one*" mode (0, and ±inf and/or NaN by the mode) → scale 1 and
+   multiplier 1.
+4. raw scale by ``scale_op``: ``R(amax'/T)`` ("div"), ``R(amax'·R(1/T))`` ("mul_recip_max") or ``fl(1/m)`` with
+   the multiplier ``m = R(T/amax')`` or ``R(R(1/amax')·T)`` (``multiplier_op``) whose overflow is replaced per
+   ``multiplier_overflow`` ("recip_multiplier").
+5. ``s = R(max(s, eps))`` if ``floor == "scale"`` (before power-of-two rounding, so pow2 policies give powers of
+   two, unless ``floor_order="pow2_then_floor"`` puts it after step 6).
 6. power-of-two rounding by ``pow2`` (see :func:`round_scale_pow2`).
-7. codes: ``q = x/s``, ``x·fl(1/s)`` or ``x·m`` (``quant_op``), ``clamp(q, -T, T)`` if ``clamp``, then the RNE
-   cast with the ``overflow`` policy.
+7. codes: ``q = R(x/s)``, ``R(x·R(1/s))`` or ``R(x·m)`` (``quant_op``), ``clamp(q, -T, T)`` if ``clamp``, then the
+   RNE cast with the ``overflow`` policy.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import decode, encode_codes
+from fp8rl.reference.formats import bf16_bits_rne, decode, encode_codes, encode_codes_into, get_format
 from fp8rl.reference.policy import (
     FLOOR_MODES,
     POW2_MODES,
@@ -232,14 +236,6 @@ def _as_input(x, name: str = "x") -> torch.Tensor:
     return x.detach().to("cpu", _F32)
 
 
-def _pad_to(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Zero-pad the trailing dims of x to ``sizes`` (only growing)."""
-    pads: list[int] = []
-    for dim_size, want in zip(reversed(x.shape[-len(sizes):]), reversed(sizes)):
-        pads += [0, want - dim_size]
-    return torch.nn.functional.pad(x, pads) if any(pads) else x
-
-
 def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """amax = max |x| over each group of ``g`` (fp32, shape ``g.scale_shape(x.shape)``).
 
@@ -249,44 +245,67 @@ def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """
     x = _as_input(x)
     shape = g.check_shape(tuple(x.shape))
-    a = x.abs()
-    if g.kind == "tensor":
-        return a.amax().reshape(1)
-    if g.kind in ("token", "channel"):
-        return a.amax(dim=-1, keepdim=True)
-    if g.kind == "group":
-        gs = g.size[1]
-        n = -(-shape[-1] // gs)
-        a = _pad_to(a, (n * gs,))
-        return a.reshape(*shape[:-1], n, gs).amax(dim=-1)
-    bm, bn = g.size
-    nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
-    a = _pad_to(a, (nm * bm, nn * bn))
-    # inner (contiguous) dim first, then the rows: the same maxima (max is exact and NaN-propagating either way),
-    # ~1.5x faster than one reduction over the strided dims (1, 3)
-    return a.reshape(nm, bm, nn, bn).amax(dim=3).amax(dim=1)
+    # one strip of rows at a time (max is exact, so this equals one reduction over the whole group)
+    return torch.from_numpy(_amax_by_strips(_rows_view(x, g), g)).reshape(g.scale_shape(shape))
 
 
 def _f32(v: float) -> torch.Tensor:
     return torch.tensor(v, dtype=_F32)
 
 
-def _floored_amax(amax: torch.Tensor, policy: ScalePolicy) -> torch.Tensor:
+def _compute_dtype(policy: ScalePolicy, input_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype every scale/quotient step is rounded to (None: fp32, no extra rounding)."""
+    if policy.compute_dtype == "fp32" or input_dtype is None or input_dtype == _F32:
+        return None
+    if input_dtype not in ACCEPTED_INPUT_DTYPES:
+        raise TypeError(f"input_dtype: expected float32, bfloat16 or float16, got {input_dtype}")
+    return input_dtype
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """R(t): the fp32 tensor ``t`` rounded to nearest even in ``dtype`` (bf16 by the oracle's bit-level rounding,
+    fp16 by numpy's IEEE conversion), returned as fp32; the identity for None."""
+    if dtype is None:
+        return t
+    t = t.to(_F32).contiguous()
+    if dtype == torch.bfloat16:
+        bits = bf16_bits_rne(t.numpy()).astype(np.uint32) << 16
+        return torch.from_numpy(bits.view(np.float32).reshape(tuple(t.shape)).copy())
+    return torch.from_numpy(t.numpy().astype(np.float16).astype(np.float32).reshape(tuple(t.shape)))
+
+
+def _floored_amax(amax: torch.Tensor, policy: ScalePolicy, rd: torch.dtype | None = None) -> torch.Tensor:
     amax = amax.to(_F32)
     if policy.floor == "amax":
-        return torch.maximum(amax, _f32(policy.eps))  # propagates NaN
+        return _round(torch.maximum(amax, _f32(policy.eps)), rd)  # propagates NaN
     return amax
 
 
-def _degenerate(amax_f: torch.Tensor) -> torch.Tensor:
-    """amax' that zero_amax="one" maps to scale 1: zero, ±inf or NaN."""
+def _degenerate(amax_f: torch.Tensor, mode: str = "one") -> torch.Tensor:
+    """amax' that ``zero_amax`` maps to scale 1 and multiplier 1: zero, and ±inf and/or NaN by the mode."""
+    if mode == "one_zero_inf":
+        return (amax_f == 0) | torch.isinf(amax_f)
+    if mode == "one_zero_nan":
+        return (amax_f == 0) | torch.isnan(amax_f)
     return (amax_f == 0) | ~torch.isfinite(amax_f)
 
 
-def _multiplier_raw(amax_f: torch.Tensor, t: float) -> torch.Tensor:
-    """m = fl(T / amax'); an overflowing m (amax' > 0 tiny) becomes FLT_MAX (TE)."""
-    m = _f32(t) / amax_f
-    return torch.where(torch.isinf(m) & (amax_f > 0), _f32(_FLT_MAX), m)
+def _multiplier_raw(amax_f: torch.Tensor, t: float, policy: ScalePolicy | None = None,
+                    input_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """m = R(T / amax') (``multiplier_op="div"``) or R(R(1/amax')·T) (``"recip_mul"``); a multiplier that overflows
+    (amax' > 0 tiny) is replaced by ``multiplier_overflow``: FLT_MAX, the input dtype's max finite, or kept (inf)."""
+    rd = _compute_dtype(policy, input_dtype) if policy is not None else None
+    if policy is not None and policy.multiplier_op == "recip_mul":
+        m = _round(_round(_f32(1.0) / amax_f, rd) * _f32(t), rd)
+    else:
+        m = _round(_f32(t) / amax_f, rd)
+    mode = policy.multiplier_overflow if policy is not None else "flt_max"
+    if mode == "inf":
+        return m
+    sub = _FLT_MAX
+    if mode == "input_max" and input_dtype is not None:
+        sub = float(torch.finfo(input_dtype).max)
+    return torch.where(torch.isinf(m) & (amax_f > 0), _f32(sub), m)
 
 
 def _pow2_floor(m: torch.Tensor) -> torch.Tensor:
@@ -308,9 +327,11 @@ def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
     """Round an fp32 scale up to a power of two.
 
     * ``ceil_log2``: 2^ceil(fl(log2 s)) with torch's fp32 log2 (the power is formed exactly). log2 rounding makes
-      scales a few ulps above 2^k give 2^k (round *down*), docs/engine-numerics.md §7. log2(0) = -inf gives 0.
-    * ``ceil_bits``: biased exponent e of the fp32 bits, plus 1 if any mantissa bit is set, clamped to [1, 254];
-      s = 2^(e-127). Subnormal and zero scales give 2^-126; NaN/inf are passed through.
+      scales a few ulps above 2^k give 2^k (round *down*), docs/engine-numerics.md §7. log2(0) = -inf gives 0;
+      inf and NaN pass through.
+    * ``ceil_bits``: biased exponent e of the fp32 bits of |s|, plus 1 if any mantissa bit is set, clamped to
+      [1, 254]; s = 2^(e-127) (DeepGEMM ``ceil_to_ue8m0``). Subnormal and zero scales give 2^-126; inf (e = 255) and
+      NaN (e = 255, mantissa ≠ 0: 256) are clamped to 254 and give 2^127.
     * ``none``: s unchanged. (``floor_multiplier`` acts on the multiplier, see :func:`scale_from_amax`.)
     """
     check_choice("pow2", mode, POW2_MODES)
@@ -325,59 +346,70 @@ def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "ceil_bits":
         bits = s.abs().contiguous().view(torch.int32).to(torch.int64)
         e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int64)
-        out = (e.clamp(1, 254) << 23).to(torch.int32).view(_F32)
-        return torch.where(torch.isfinite(s), out, s)
+        return (e.clamp(1, 254) << 23).to(torch.int32).view(_F32)
     raise ValueError("pow2: 'floor_multiplier' rounds the multiplier, not the scale; use scale_from_amax")
 
 
-def quant_multiplier_from_amax(amax: torch.Tensor, policy: ScalePolicy | str) -> torch.Tensor:
+def quant_multiplier_from_amax(amax: torch.Tensor, policy: ScalePolicy | str, *,
+                               input_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The multiplier m of ``quant_op="mul_max_over_amax"`` (q = x·m), fp32, same shape as ``amax``.
 
-    m = fl(T/amax') (FLT_MAX if that overflows); with ``floor_multiplier`` its mantissa is zeroed; for
-    ``zero_amax="one"`` a degenerate amax' gives m = 1. For ``ceil_log2``/``ceil_bits`` policies m = 1/s exactly
-    (s is a power of two), which is what engines with power-of-two scales multiply by.
+    m = R(T/amax') or R(R(1/amax')·T) (``multiplier_op``; R rounds to the input dtype under
+    ``compute_dtype="input"``), an overflow replaced per ``multiplier_overflow``; with ``floor_multiplier`` its
+    mantissa is zeroed; for ``zero_amax`` "one*" modes a degenerate amax' gives m = 1. For ``ceil_log2``/``ceil_bits``
+    policies m = 1/s exactly (s is a power of two), which is what engines with power-of-two scales multiply by.
+    ``input_dtype``: the dtype of the quantized tensor (fp32 when None).
     """
     policy = get_policy(policy)
     t = policy.max_value
-    amax_f = _floored_amax(amax, policy)
+    rd = _compute_dtype(policy, input_dtype)
+    amax_f = _floored_amax(amax, policy, rd)
     if policy.pow2 in ("ceil_log2", "ceil_bits"):
-        return _f32(1.0) / scale_from_amax(amax, policy)
-    m = _multiplier_raw(amax_f, t)
+        return _f32(1.0) / scale_from_amax(amax, policy, input_dtype=input_dtype)
+    m = _multiplier_raw(amax_f, t, policy, input_dtype)
     if policy.pow2 == "floor_multiplier":
         m = _pow2_floor(m)
-    if policy.zero_amax == "one":
-        m = torch.where(_degenerate(amax_f), _f32(1.0), m)
+    if policy.zero_amax.startswith("one"):
+        m = torch.where(_degenerate(amax_f, policy.zero_amax), _f32(1.0), m)
     return m
 
 
-def scale_from_amax(amax: torch.Tensor, policy: ScalePolicy | str) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, policy: ScalePolicy | str, *,
+                    input_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fp32 dequant scale s for each amax (pipeline steps 2–6 of the module docstring).
 
-    * "div": s = fl(amax'/T);  "mul_recip_max": s = fl(amax'·fl(1/T));  "recip_multiplier": s = fl(1/m),
-      m = fl(T/amax') (with ``floor_multiplier``: m's mantissa zeroed first, so s = 1/m is exact);
-    * ``floor="scale"``: s = max(s, fl(eps)), then pow2 rounding (:func:`round_scale_pow2`);
-    * ``zero_amax="one"``: s = 1 for amax' ∈ {0, ±inf, NaN}.
+    * "div": s = R(amax'/T);  "mul_recip_max": s = R(amax'·R(1/T));  "recip_multiplier": s = fl32(1/m), m the
+      multiplier (``multiplier_op``; with ``floor_multiplier``: m's mantissa zeroed first, so s = 1/m is exact);
+      R rounds to ``input_dtype`` under ``compute_dtype="input"`` and is the identity otherwise;
+    * ``floor="scale"``: s = R(max(s, fl(eps))), then pow2 rounding (:func:`round_scale_pow2`), or pow2 rounding
+      first with ``floor_order="pow2_then_floor"``;
+    * ``zero_amax`` "one*" modes: s = 1 for the degenerate amax' of the mode.
     """
     policy = get_policy(policy)
     if not isinstance(amax, torch.Tensor):
         raise TypeError(f"amax: expected a torch.Tensor, got {type(amax).__name__}")
     t = policy.max_value
-    amax_f = _floored_amax(amax, policy)
+    rd = _compute_dtype(policy, input_dtype)
+    amax_f = _floored_amax(amax, policy, rd)
     if policy.scale_op == "div":
-        s = amax_f / _f32(t)
+        s = _round(amax_f / _f32(t), rd)
     elif policy.scale_op == "mul_recip_max":
-        s = amax_f * (_f32(1.0) / _f32(t))
+        s = _round(amax_f * _round(_f32(1.0) / _f32(t), rd), rd)
     else:
-        m = _multiplier_raw(amax_f, t)
+        m = _multiplier_raw(amax_f, t, policy, input_dtype)
         if policy.pow2 == "floor_multiplier":
             m = _pow2_floor(m)
         s = _f32(1.0) / m
+    pow2 = policy.pow2 in ("ceil_log2", "ceil_bits")
+    if pow2 and policy.floor_order == "pow2_then_floor":
+        s = _round(round_scale_pow2(s, policy.pow2), rd)
+        pow2 = False
     if policy.floor == "scale":
-        s = torch.maximum(s, _f32(policy.eps))
-    if policy.pow2 in ("ceil_log2", "ceil_bits"):
-        s = round_scale_pow2(s, policy.pow2)
-    if policy.zero_amax == "one":
-        s = torch.where(_degenerate(amax_f), _f32(1.0), s)
+        s = _round(torch.maximum(s, _f32(policy.eps)), rd)
+    if pow2:
+        s = _round(round_scale_pow2(s, policy.pow2), rd)
+    if policy.zero_amax.startswith("one"):
+        s = torch.where(_degenerate(amax_f, policy.zero_amax), _f32(1.0), s)
     return s.to(_F32)
 
 
@@ -409,6 +441,126 @@ def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> to
     return op(x, _expand(t, g, shape))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Strip-wise evaluation (the hot path of compute_amax and quantize_with_scale)
+#
+# Large inputs are processed one strip of rows at a time, in numpy on one thread. Every element still gets exactly
+# the fp32 operation of the whole-tensor formula (max is exact; x/s and x·m are the same IEEE operation on the same
+# operand pair), so amax and codes are bit-identical to it; only the order of independent elementwise passes
+# changes, so that a strip's intermediates stay in cache between them and no tensor-sized temporary is allocated.
+# tests/oracle/test_quant_fast_path.py compares both forms on every granularity, policy, edge shape and special value.
+
+#: elements per strip (fp32: 512 KiB, so a strip and its code table indexes stay in cache)
+_STRIP_ELEMS = 1 << 17
+
+
+def _rows_view(x: torch.Tensor, g: Granularity) -> np.ndarray:
+    """x as a C-contiguous 2-D fp32 array: (M, N) for channel/block, (prod(leading dims), K) otherwise; a tensor-wide
+    group as (1, n)."""
+    a = np.ascontiguousarray(x.numpy())
+    return a.reshape(1, -1) if g.kind == "tensor" else a.reshape(-1, a.shape[-1])
+
+
+def _strips(g: Granularity, rows: int, cols: int):
+    """Row ranges [r0, r1) covering ``rows``, about ``_STRIP_ELEMS`` elements each (whole rows, at least one); for
+    blocks a strip never crosses a block-row boundary, so it shares one row of scales."""
+    step = max(1, _STRIP_ELEMS // cols)
+    r0 = 0
+    while r0 < rows:
+        r1 = min(r0 + step, rows)
+        if g.kind == "block":
+            r1 = min(r1, (r0 // g.size[0] + 1) * g.size[0])
+        yield r0, r1
+        r0 = r1
+
+
+def _col_spans(g: Granularity, cols: int) -> tuple[int, int]:
+    """(columns per group, number of column groups) of the 2-D view."""
+    if g.kind == "group":
+        return g.size[1], -(-cols // g.size[1])
+    if g.kind == "block":
+        return g.size[1], -(-cols // g.size[1])
+    return cols, 1
+
+
+def _amax_by_strips(a: np.ndarray, g: Granularity) -> np.ndarray:
+    """max |x| per group of the 2-D view ``a`` (:func:`_rows_view`), one strip at a time; shape (rows, groups) for
+    token/channel/group, (ceil(M/Bm), ceil(N/Bn)) for block, (1, 1) for tensor. np.max and np.maximum propagate NaN,
+    as torch's amax does."""
+    rows, cols = a.shape
+    width, ngroups = _col_spans(g, cols)
+    out_rows = -(-rows // g.size[0]) if g.kind == "block" else (1 if g.kind == "tensor" else rows)
+    out = np.empty((out_rows, ngroups), dtype=np.float32)
+    if g.kind == "tensor":
+        buf = np.empty(min(cols, _STRIP_ELEMS), dtype=np.float32)
+        maxima = []
+        for c0 in range(0, cols, buf.size):
+            piece = a[0, c0:c0 + buf.size]
+            np.abs(piece, out=buf[:piece.size])
+            maxima.append(buf[:piece.size].max())
+        out[0, 0] = np.max(np.array(maxima, dtype=np.float32))
+        return out
+    starts = np.arange(0, cols, width)
+    buf = np.empty(min(rows, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
+    for r0, r1 in _strips(g, rows, cols):
+        b = buf[:(r1 - r0) * cols].reshape(r1 - r0, cols)
+        np.abs(a[r0:r1], out=b)
+        if cols % width == 0:
+            per_group = b.reshape(r1 - r0, ngroups, width).max(axis=2)
+        else:
+            per_group = np.maximum.reduceat(b, starts, axis=1)
+        if g.kind != "block":
+            out[r0:r1] = per_group
+        elif r0 % g.size[0] == 0:
+            out[r0 // g.size[0]] = per_group.max(axis=0)
+        else:
+            np.maximum(out[r0 // g.size[0]], per_group.max(axis=0), out=out[r0 // g.size[0]])
+    return out
+
+
+def _codes_by_strips(x: torch.Tensor, t: torch.Tensor, g: Granularity, divide: bool, policy: ScalePolicy) -> torch.Tensor:
+    """Pipeline step 7 for fp32 arithmetic: codes of q = fl(x/t) (``divide``) or fl(x·t) with t the per-group scale or
+    multiplier, clamp(q, -T, T) if ``policy.clamp``, then the RNE cast (:func:`~fp8rl.reference.formats.
+    encode_codes_into`) — a strip of rows at a time.
+
+    The clamp is skipped when it cannot change a code: with ``overflow="saturate"`` and fl32(T) equal to the
+    format's max finite value, the cast already maps every |q| > T to ±max finite, and NaN passes both unchanged.
+    """
+    a = _rows_view(x, g)
+    rows, cols = a.shape
+    width, ngroups = _col_spans(g, cols)
+    tv = np.ascontiguousarray(t.numpy()).reshape(-1 if g.kind != "tensor" else 1, ngroups)
+    op = np.divide if divide else np.multiply
+    limit = np.float32(policy.max_value)
+    clamp = policy.clamp and not (policy.overflow == "saturate" and float(limit) == get_format(policy.fmt).max_finite)
+    codes = np.empty(a.size, dtype=np.uint8)
+    if g.kind == "tensor":  # one scale: strips of the flat array
+        q = np.empty(min(cols, _STRIP_ELEMS), dtype=np.float32)
+        for c0 in range(0, cols, q.size):
+            piece = a[0, c0:c0 + q.size]
+            qs = q[:piece.size]
+            op(piece, tv[0, 0], out=qs)
+            if clamp:
+                np.clip(qs, -limit, limit, out=qs)
+            encode_codes_into(qs, codes[c0:c0 + piece.size], policy.fmt, policy.overflow)
+        return torch.from_numpy(codes.reshape(tuple(x.shape)))
+    q = np.empty(min(rows, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
+    for r0, r1 in _strips(g, rows, cols):
+        xs = a[r0:r1]
+        ts = tv[r0 // g.size[0]][None, :] if g.kind == "block" else tv[r0:r1]  # this strip's scales: (1 or rows, groups)
+        qs = q[:xs.size]
+        if cols % width == 0 and g.kind in ("group", "block"):  # broadcast view, no expanded operand
+            op(xs.reshape(r1 - r0, ngroups, width), ts[:, :, None], out=qs.reshape(r1 - r0, ngroups, width))
+        elif g.kind in ("group", "block"):
+            op(xs, np.repeat(ts, width, axis=1)[:, :cols], out=qs.reshape(r1 - r0, cols))
+        else:
+            op(xs, ts, out=qs.reshape(r1 - r0, cols))
+        if clamp:
+            np.clip(qs, -limit, limit, out=qs)
+        encode_codes_into(qs, codes[r0 * cols:r1 * cols], policy.fmt, policy.overflow)
+    return torch.from_numpy(codes.reshape(tuple(x.shape)))
+
+
 def expand_scale(scale: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group tensor (scale, amax, multiplier) of shape ``g.scale_shape(shape)`` to ``shape``."""
     if not isinstance(scale, torch.Tensor):
@@ -424,12 +576,15 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
                         *, amax: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 codes of x for the given dequant ``scale`` (fp32, shape ``g.scale_shape(x.shape)``).
 
-    q = fl(x/s) ("div"), fl(x·fl(1/s)) ("mul_recip") or fl(x·m) ("mul_max_over_amax", m from
+    q = R(x/s) ("div"), R(x·R(1/s)) ("mul_recip") or R(x·m) ("mul_max_over_amax", m from
     :func:`quant_multiplier_from_amax` of ``amax``, which is recomputed from x when not given — a dynamic-quant
-    op); then clamp(q, -T, T) if ``policy.clamp``; then the RNE cast with ``policy.overflow``.
+    op); then clamp(q, -T, T) if ``policy.clamp``; then the RNE cast with ``policy.overflow``. R rounds to x's own
+    dtype under ``compute_dtype="input"`` (so pass x in the dtype it was quantized from).
     """
     policy = get_policy(policy)
+    in_dtype = x.dtype if isinstance(x, torch.Tensor) else None
     x = _as_input(x)
+    rd = _compute_dtype(policy, in_dtype)
     shape = g.check_shape(tuple(x.shape))
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale: expected a torch.Tensor, got {type(scale).__name__}")
@@ -440,16 +595,18 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
         raise ValueError(f"scale: expected shape {want} for {g.label} over {shape}, got {tuple(scale.shape)}")
     scale = scale.cpu()
     if policy.quant_op == "div":
-        q = _apply_per_group(x, scale, g, torch.div)
+        t, op = scale, torch.div
     elif policy.quant_op == "mul_recip":
-        q = _apply_per_group(x, _f32(1.0) / scale, g, torch.mul)
+        t, op = _round(_f32(1.0) / scale, rd), torch.mul
     else:
         if amax is None:
             amax = compute_amax(x, g)
         elif tuple(amax.shape) != g.scale_shape(shape):
             raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
-        m = quant_multiplier_from_amax(amax.to("cpu", _F32), policy)
-        q = _apply_per_group(x, m, g, torch.mul)
+        t, op = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype), torch.mul
+    if rd is None:  # fp32 arithmetic: strip by strip, bit-identical to the lines below (see _codes_by_strips)
+        return _codes_by_strips(x, t, g, op is torch.div, policy)
+    q = _round(_apply_per_group(x, t, g, op), rd)
     if policy.clamp:
         t = policy.max_value
         q = q.clamp_(-t, t)
@@ -460,15 +617,17 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
 def quantize(x: torch.Tensor, g: Granularity, policy: ScalePolicy | str = "reference") -> QuantizedTensor:
     """Dynamic quantization: amax per group → scale (:func:`scale_from_amax`) → codes (:func:`quantize_with_scale`).
 
-    ``x``: fp32, bf16 or fp16 tensor (upcast to fp32 exactly), non-empty, shape valid for ``g``.
+    ``x``: fp32, bf16 or fp16 tensor (upcast to fp32 exactly), non-empty, shape valid for ``g``; its dtype is the
+    input dtype of ``compute_dtype="input"`` and ``multiplier_overflow="input_max"``.
     """
     if not isinstance(g, Granularity):
         raise TypeError(f"granularity: expected a Granularity, got {type(g).__name__}")
     policy = get_policy(policy)
+    raw = x
     x = _as_input(x)
     amax = compute_amax(x, g)
-    scale = scale_from_amax(amax, policy)
-    codes = quantize_with_scale(x, scale, g, policy, amax=amax)
+    scale = scale_from_amax(amax, policy, input_dtype=raw.dtype)
+    codes = quantize_with_scale(raw, scale, g, policy, amax=amax)
     return QuantizedTensor(codes, scale.contiguous(), g, policy)
 
 

@@ -46,6 +46,9 @@ def _table() -> dict[str, Capability]:
     for k in QUANT_KINDS:
         rows.append(Capability(f"quantize.{k}", "quantization", ("quantize", "scale_policy"),
                                f"quantize(x, Granularity.{k}(...)) under the declared scale_policy('{k}')"))
+    rows.append(Capability("quantize_nonfinite", "quantization", ("quantize", "scale_policy"),
+                           "quantize(x, ...) of groups holding ±inf or NaN follows the declared scale_policy too "
+                           "(e.g. DeepGEMM's UE8M0 exponent clamp: an inf/NaN amax gives 2^127)"))
     gemm_desc = {"block": "1×G activations × B×B weights (W8A8 blockwise)", "tensor": "per-tensor scaled operands",
                  "row": "per-token activations × per-channel weights"}
     for k in GEMM_KINDS:

@@ -12,6 +12,7 @@ from fp8rl.reference.quant import (
     compute_amax,
     quantize,
     quantize_with_scale,
+    round_scale_pow2,
     scale_from_amax,
 )
 
@@ -119,3 +120,74 @@ class Bf16Scale(ReferenceEngine):
         s = scale_from_amax(compute_amax(x, granularity), policy).to(torch.bfloat16).float()
         codes = quantize_with_scale(x, s, granularity, policy)
         return QuantizedTensor(codes, s, granularity, policy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stale presets: an engine that implements a preset which differs from the truth in one field. Each is the kind of
+# drift the peers tier (tests/engines/<tier>/test_peers_*.py) exists to catch in the presets themselves; here the
+# quantization checks must catch it in an engine. ``PRESET_MUTATIONS`` names them (truth preset, field, the mutated
+# quantizer), and the peers tests show the battery tells each one apart from the upstream code.
+
+
+def _exponent_passthrough(x, granularity, policy):
+    """DeepGEMM UE8M0 without the exponent clamp at 254: an inf/NaN scale passes through ceil_to_ue8m0 (fp8rl's
+    oracle before this was fixed)."""
+    amax = compute_amax(x, granularity)
+    raw = scale_from_amax(amax, replace(policy, pow2="none"))
+    s = torch.where(torch.isfinite(raw), round_scale_pow2(raw, policy.pow2), raw)
+    codes = quantize_with_scale(x, s, granularity, policy, amax=amax)
+    return QuantizedTensor(codes, s, granularity, policy)
+
+
+def _with(**fields):
+    def q(x, granularity, policy):
+        qt = quantize(x, granularity, replace(policy, name=f"{policy.name}-mutated", **fields))
+        return QuantizedTensor(qt.codes, qt.scale, granularity, policy)
+    return q
+
+
+#: mutant name → (the true preset, the field that differs, quantize(x, granularity, true_policy) of the mutation)
+PRESET_MUTATIONS = {
+    "preset-floor-value": ("deepseek_ref_2025_08", "eps: 1e-10 instead of 1e-4", _with(eps=1e-10)),
+    "preset-clamp-order": ("vllm_native_group_ue8m0_0_32", "floor_order: floor then pow2 instead of pow2 then floor",
+                           _with(floor_order="floor_then_pow2")),
+    "preset-exponent-clamp": ("deepgemm_ue8m0", "ceil_to_ue8m0 without the exponent clamp at 254 (inf/NaN scales "
+                              "pass through)", _exponent_passthrough),
+    "preset-reciprocal-rounding": ("vllm_scaled_quantize", "multiplier_op: fl(448/amax) instead of "
+                                   "fl(fl(1/amax)·448)", _with(multiplier_op="div")),
+}
+
+
+class _PresetMutant(ReferenceEngine):
+    mutation = ""
+
+    def __init__(self):
+        truth = PRESET_MUTATIONS[self.mutation][0]
+        super().__init__(dict.fromkeys(("tensor", "token", "channel", "group", "block"), truth))
+
+    def quantize(self, x, granularity):
+        return PRESET_MUTATIONS[self.mutation][2](x, granularity, self.scale_policy(granularity.kind))
+
+
+@mutant("preset-floor-value", "declares deepseek_ref_2025_08 (amax floor 1e-4) but floors amax at 1e-10 (the value "
+        "of another preset)", kills=("QUANT-EDGE-001", "QUANT-EDGE-002"))
+class PresetFloorValue(_PresetMutant):
+    mutation = "preset-floor-value"
+
+
+@mutant("preset-clamp-order", "declares vllm_native_group_ue8m0_0_32 (power of two, then the 1/(448·512) floor) but "
+        "floors first (vLLM 0.33.0's order)", kills=("QUANT-EDGE-001", "QUANT-EDGE-002"))
+class PresetClampOrder(_PresetMutant):
+    mutation = "preset-clamp-order"
+
+
+@mutant("preset-exponent-clamp", "declares deepgemm_ue8m0 but lets an inf/NaN scale through ceil_to_ue8m0 instead of "
+        "clamping the exponent to 254 (2^127)", kills=("QUANT-EDGE-003",))
+class PresetExponentClamp(_PresetMutant):
+    mutation = "preset-exponent-clamp"
+
+
+@mutant("preset-reciprocal-rounding", "declares vllm_scaled_quantize (m = reciprocal(amax)·448, two roundings) but "
+        "divides 448/amax once", kills=("QUANT-EXACT-001", "QUANT-EXACT-002"))
+class PresetReciprocalRounding(_PresetMutant):
+    mutation = "preset-reciprocal-rounding"

@@ -589,7 +589,7 @@ def test_dtypes_upcast_exact():
 def test_presets_have_descriptions_and_valid_policies_exact():
     required = {"reference", "vllm_cuda_group", "vllm_triton_group", "vllm_native", "vllm_per_token",
                 "vllm_per_tensor_cuda", "vllm_ue8m0_group", "deepgemm_block", "deepgemm_ue8m0", "verl_triton",
-                "verl_torch", "te_blockwise_pow2", "sglang_group", "torchao", "deepseek_ref", "rocm_fnuz",
+                "verl_torch", "te_blockwise_pow2", "sglang_group", "torchao", "deepseek_ref_2024_12", "rocm_fnuz",
                 "sglang_triton_group", "sglang_triton_group_colmajor", "sglang_triton_group_ue8m0", "sglang_static",
                 "sglang_mla_tensor", "sglang_native", "sglang_fp8_quantize", "vllm_triton_ue8m0_group"}
     assert required <= set(PRESETS)
