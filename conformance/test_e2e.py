@@ -35,9 +35,9 @@ def _record(res: E.CaseResult) -> None:
        "log-probs vs the BF16 trainer's on the same tokens have k3 KL, token_mult_prob_error and max |dlogp| "
        "within the recipe's budget (measured reference-emulation distribution x margin).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
-def test_mismatch_budget(engine, model, recipe):
-    section = E.mismatch_section(engine)  # every case of the section (the engine may start them together)
-    res = E.cached_case(engine, model, recipe)
+def test_mismatch_budget(engine, model, recipe, run_seed):
+    section = E.mismatch_section(engine, run_seed)  # every case of the section (the engine may start them together)
+    res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
     _record(res)
     bad = E.within_budget(res)
@@ -48,9 +48,9 @@ def test_mismatch_budget(engine, model, recipe):
 @check("E2E-GREEDY-001", "Greedy rollouts of the fixed prompts stay on the BF16 trainer's greedy continuation "
        "for at least the recipe's floor of tokens on average (first divergence position).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
-def test_greedy_first_divergence(engine, model, recipe):
-    section = E.mismatch_section(engine)
-    res = E.cached_case(engine, model, recipe)
+def test_greedy_first_divergence(engine, model, recipe, run_seed):
+    section = E.mismatch_section(engine, run_seed)
+    res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
     floor = E.budget("first_div_mean", model, recipe)
     record_metrics(first_div_mean=res.metrics["first_div_mean"], first_div_min=res.metrics["first_div_min"])
@@ -64,13 +64,14 @@ def test_greedy_first_divergence(engine, model, recipe):
        "rollouts follow the NEW policy: their mismatch vs the BF16 trainer at step 1 is within budget and smaller "
        "than vs step 0. The update grows K/V 8x, so FP8 KV scales must be recalibrated (or pushed).",
        bound="e2e_mismatch", requires=["rollout.{recipe}", "update_weights"], timeout=600)
-def test_update_weights_follow_new_policy(engine, model, recipe):
+def test_update_weights_follow_new_policy(engine, model, recipe, run_seed):
     m0, m1 = fixtures.tiny_model(model, "base"), fixtures.tiny_model(model, "update")
     p, plen = E.prompts(), E.prompt_len()
     handle = engine.rollout_init(m0.config, m0.state_dict, recipe)
-    engine.rollout(handle, p, E.N_NEW, greedy=True, seed=E.SAMPLE_SEED)  # step 0 (output validated by the guard)
+    seed = E.sampling_seed(run_seed)
+    engine.rollout(handle, p, E.N_NEW, greedy=True, seed=seed)  # step 0 (output validated by the guard)
     handle = engine.update_weights(handle, m1.state_dict)
-    tokens, lp = engine.rollout(handle, p, E.N_NEW, greedy=False, seed=E.SAMPLE_SEED + 1)
+    tokens, lp = engine.rollout(handle, p, E.N_NEW, greedy=False, seed=seed + 1)
     new = R.mismatch_metrics(lp, E.oracle(model, "update").score(tokens, plen))
     old = R.mismatch_metrics(lp, E.oracle(model, "base").score(tokens, plen))
     res = E.CaseResult(model, "update", recipe, {**new, "first_div_mean": float("nan"), "first_div_min": 0.0}, [], [])

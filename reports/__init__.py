@@ -66,6 +66,7 @@ from ._schema import (
     summarize,
     to_jsonable,
     validate,
+    verdict_line,
 )
 
 __all__ = [
@@ -82,5 +83,6 @@ __all__ = [
     "summarize",
     "to_jsonable",
     "validate",
+    "verdict_line",
     "write_report",
 ]

@@ -6,10 +6,10 @@ from typing import Any
 
 from ._plots import check_label, outcomes_by_area
 from ._render import first_line
-from ._schema import OUTCOMES
+from ._schema import OUTCOMES, verdict_line
 
 _STYLE = {"passed": "green", "failed": "bold red", "error": "bold red", "skipped": "dim",
-          "xfailed": "magenta", "xpassed": "bold blue"}
+          "xfailed": "magenta", "xpassed": "bold blue", "not_run": "bold yellow"}
 _MAX_LISTED = 30
 
 
@@ -34,15 +34,17 @@ def print_summary(report: dict, console: Any = None) -> None:
     for area, cnt in areas.items():
         table.add_row(Text(area), *(str(cnt.get(o, 0)) for o in OUTCOMES), str(sum(cnt.values())))
     table.add_section()
-    table.add_row(Text("all", style="bold"), *(str(s[o]) for o in OUTCOMES), str(s["total"]))
+    table.add_row(Text("all", style="bold"), *(str(s.get(o, 0)) for o in OUTCOMES), str(s["total"]))
     console.print(table)
 
-    ok = s["verdict"] == "conformant"
+    style = {"conformant": "bold green", "incomplete": "bold yellow"}.get(s["verdict"], "bold red")
     line = Text("verdict: ", style="bold")
-    line.append(s["verdict"].upper(), style="bold green" if ok else "bold red")
+    line.append(verdict_line(report), style=style)
     line.append(f"  ({s['failed']} failed, {s['error']} error, {s['skipped']} skipped, "
-                f"{s['xfailed']} xfailed, {s['xpassed']} xpassed of {s['total']}; profile {report['profile']}, "
-                f"seed {report['seed']}, {report['duration_s']:.1f} s)")
+                f"{s['xfailed']} xfailed, {s['xpassed']} xpassed"
+                + (f", {s['not_run']} not run" if s.get("not_run") else "")
+                + f" of {s['total']}; profile {report['profile']}, seed {report['seed']}, "
+                f"{report['duration_s']:.1f} s)")
     console.print(line)
     if report["kind"] == "mutants":
         muts = report.get("mutants") or []
@@ -52,7 +54,7 @@ def print_summary(report: dict, console: Any = None) -> None:
         for m in muts:
             if not m["killed"]:
                 console.print(Text(f"  survived: {m['mutant']}: {first_line(m['description'])}", style="yellow"))
-    bad = [c for c in checks if c["outcome"] in ("failed", "error", "xpassed")]
+    bad = [c for c in checks if c["outcome"] in ("failed", "error", "xpassed", "not_run")]
     if bad:
         console.print(Text("failing checks:", style="bold red"))
         for c in bad[:_MAX_LISTED]:

@@ -16,6 +16,7 @@ OUTCOME_COLORS = {
     "skipped": "#9e9e9e",
     "xfailed": "#8e24aa",
     "xpassed": "#1565c0",
+    "not_run": "#fbc02d",
 }
 _MAX_TICK_LABELS = 50
 _MAX_ANNOTATIONS = 8
@@ -120,7 +121,8 @@ def plot_err_over_bound(checks: list[dict]) -> bytes | None:
 
 
 def _ulp_key(k: str) -> tuple[int, int]:
-    """Order 0, 1, …, >=2, then "nan" (code pairs where either side is a NaN code)."""
+    """Order 0, 1, …, >=2, then "nan" (differing code pairs where either side is a NaN code; identical NaN codes
+    agree and count in "0")."""
     if k == "nan":
         return (2, 0)
     return (1, int(k[2:])) if k.startswith(">=") else (0, int(k))
@@ -147,6 +149,8 @@ def plot_ulp_hist(checks: list[dict]) -> bytes | None:
     ax = fig.add_subplot()
     keys = list(hist)
     vals = [hist[k] for k in keys]
+    # colour by agreement with the reference: identical codes (bucket "0", NaN codes included) green, everything
+    # else (1 ulp apart, further, or a NaN disagreement) by how far off it is
     colors = ["#2e7d32" if k == "0" else "#f9a825" if k == "1" else "#c62828" for k in keys]
     ax.bar(range(len(keys)), vals, color=colors)
     ax.set_xticks(range(len(keys)))

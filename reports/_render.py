@@ -16,12 +16,18 @@ from typing import Any
 
 from . import _plots
 from ._plots import check_label, err_over_bound, outcomes_by_area
-from ._schema import OUTCOMES, as_float, validate
+from ._schema import OUTCOMES, as_float, validate, verdict_line
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # characters XML 1.0 cannot carry at all (even escaped)
 _XML_INVALID = re.compile("[^\x09\x0a\x0d\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _BAD_OUTCOMES = ("failed", "error")
+
+
+def _counts_text(s: dict) -> str:
+    """'144 passed, 0 failed, ... of 213 checks' (not run only when there are some)."""
+    parts = [f"{s.get(o, 0)} {o.replace('_', ' ')}" for o in OUTCOMES if o != "not_run" or s.get(o, 0)]
+    return f"{', '.join(parts)} of {s['total']} checks"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,13 +114,14 @@ def render_junit(report: dict) -> bytes:
     """JUnit XML: <testsuites> holding one <testsuite>; classname = area, name = id[case].
 
     failed -> <failure>, error -> <error>, skipped -> <skipped>, xfailed -> <skipped message="xfail: ...">,
-    xpassed -> a passing testcase with a <system-out> note.
+    xpassed -> a passing testcase with a <system-out> note, not_run -> <error type="not-run"> (a CI system must not
+    read an interrupted run as green). The suite's properties carry the verdict line and the run status.
     """
     s = report["summary"]
     counts = {
         "tests": str(s["total"]),
         "failures": str(s["failed"]),
-        "errors": str(s["error"]),
+        "errors": str(s["error"] + s.get("not_run", 0)),
         "skipped": str(s["skipped"] + s["xfailed"]),
         "time": f"{report['duration_s']:.3f}",
     }
@@ -133,6 +140,8 @@ def render_junit(report: dict) -> bytes:
         ("profile", report["profile"]),
         ("seed", str(report["seed"])),
         ("verdict", s["verdict"]),
+        ("verdict_line", verdict_line(report)),
+        ("status", report.get("status", "complete")),
     ] + ([("mutation_score", str(report["mutation_score"]))] if report["kind"] == "mutants" else []):
         ET.SubElement(props, "property", {"name": k, "value": clean(v)})
     for c in report["checks"]:
@@ -166,6 +175,9 @@ def render_junit(report: dict) -> bytes:
         elif o == "xpassed":
             out = ET.SubElement(tc, "system-out")
             out.text = f"xpassed: expected to fail but passed. {msg}".rstrip()
+        elif o == "not_run":
+            el = ET.SubElement(tc, "error", {"message": f"not run: {head}", "type": "not-run"})
+            el.text = msg
     ET.indent(root)
     buf = io.BytesIO()
     ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
@@ -214,18 +226,14 @@ def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def render_markdown(report: dict) -> str:
     s, checks = report["summary"], report["checks"]
     L: list[str] = [f"# {md(_title(report))}", ""]
-    verdict = s["verdict"].upper()
-    L.append(
-        f"**Verdict: {verdict}** · {s['passed']} passed, {s['failed']} failed, {s['error']} error, "
-        f"{s['skipped']} skipped, {s['xfailed']} xfailed, {s['xpassed']} xpassed of {s['total']} checks"
-    )
+    L.append(f"**Verdict: {md(verdict_line(report))}** · {_counts_text(s)}")
     if report["kind"] == "mutants":
         L += ["", f"**{_mutation_line(report).capitalize()}**"]
     L += ["", "## Run", ""]
     L += _md_table(["", ""], [[k, md_code(v) if k == "command" else md(v)] for k, v in _meta_rows(report)])
 
     L += ["", "## Summary", ""]
-    L += _md_table([*OUTCOMES, "total", "verdict"], [[*(s[o] for o in OUTCOMES), s["total"], s["verdict"]]])
+    L += _md_table([*OUTCOMES, "total", "verdict"], [[*(s.get(o, 0) for o in OUTCOMES), s["total"], s["verdict"]]])
 
     bad = [c for c in checks if c["outcome"] in _BAD_OUTCOMES]
     L += ["", f"## Failures and errors ({len(bad)})", ""]
@@ -305,9 +313,9 @@ h3{font-size:1.02em;margin:1.2em 0 .3em}
 table{border-collapse:collapse;margin:.5em 0;font-size:.9em}th,td{border:1px solid #d6d6d6;padding:.25em .6em;
 text-align:left;vertical-align:top}th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .verdict{display:inline-block;padding:.25em .8em;border-radius:4px;font-weight:700;color:#fff}
-.conformant{background:#2e7d32}.non-conformant{background:#c62828}
+.conformant{background:#2e7d32}.non-conformant{background:#c62828}.incomplete{background:#ef6c00}
 .o-passed{color:#2e7d32}.o-failed,.o-error{color:#c62828;font-weight:600}.o-skipped{color:#757575}
-.o-xfailed{color:#8e24aa}.o-xpassed{color:#1565c0;font-weight:600}
+.o-xfailed{color:#8e24aa}.o-xpassed{color:#1565c0;font-weight:600}.o-not_run{color:#ef6c00;font-weight:600}
 pre{background:#f7f7f7;border:1px solid #e2e2e2;padding:.6em;overflow-x:auto;white-space:pre-wrap;font-size:.85em}
 code{font-size:.9em;background:#f3f3f3;padding:0 .2em}
 figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
@@ -332,7 +340,17 @@ def _html_table(header: list[str], rows: list[list[str]], numeric_from: int | No
     return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def _img(png: bytes | None, alt: str, caption: str, missing_note: str) -> str:
+def _plot(fn, checks: list[dict]) -> bytes | None | Exception:
+    """A plot of the checks, or the exception that stopped it (a plot must never cost the report)."""
+    try:
+        return fn(checks)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def _img(png: bytes | None | Exception, alt: str, caption: str, missing_note: str) -> str:
+    if isinstance(png, Exception):
+        return f'<p class="note">{_h(caption)}: could not be drawn ({_h(type(png).__name__)}: {_h(png)})</p>'
     if png is None:
         return f'<p class="note">{_h(caption)}: {_h(missing_note)}</p>'
     b64 = base64.b64encode(png).decode("ascii")
@@ -352,9 +370,7 @@ def render_html(report: dict, section_plots: list[dict] | None = None) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_h(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_h(title)}</h1>",
-        f'<p><span class="verdict {_h(s["verdict"])}">{_h(s["verdict"].upper())}</span> '
-        f"{s['passed']} passed, {s['failed']} failed, {s['error']} error, {s['skipped']} skipped, "
-        f"{s['xfailed']} xfailed, {s['xpassed']} xpassed of {s['total']} checks</p>",
+        f'<p><span class="verdict {_h(s["verdict"])}">{_h(verdict_line(report))}</span> {_h(_counts_text(s))}</p>',
     ]
     if report["kind"] == "mutants":
         P.append(f"<p><strong>{_h(_mutation_line(report).capitalize())}</strong></p>")
@@ -362,14 +378,14 @@ def render_html(report: dict, section_plots: list[dict] | None = None) -> str:
     P.append(_html_table(["", ""], [[_h(k), f"<code>{_h(v)}</code>" if k == "command" else _h(v)]
                                     for k, v in _meta_rows(report)]))
     P.append("<h2>Summary</h2>")
-    P.append(_html_table([*OUTCOMES, "total"], [[str(s[o]) for o in OUTCOMES] + [str(s["total"])]], numeric_from=0))
+    P.append(_html_table([*OUTCOMES, "total"], [[str(s.get(o, 0)) for o in OUTCOMES] + [str(s["total"])]], numeric_from=0))
 
     P.append("<h2>Plots</h2>")
-    P.append(_img(_plots.plot_err_over_bound(checks), "error over bound per check", "Error / bound per check",
+    P.append(_img(_plot(_plots.plot_err_over_bound, checks), "error over bound per check", "Error / bound per check",
                   "no check reported metrics.err_over_bound (or max_abs_err and bound)"))
-    P.append(_img(_plots.plot_ulp_hist(checks), "ULP distance histogram", "ULP-distance histogram",
+    P.append(_img(_plot(_plots.plot_ulp_hist, checks), "ULP distance histogram", "ULP-distance histogram",
                   "no check reported metrics.ulp_hist"))
-    P.append(_img(_plots.plot_outcomes_by_area(checks), "outcomes per area", "Outcomes per area",
+    P.append(_img(_plot(_plots.plot_outcomes_by_area, checks), "outcomes per area", "Outcomes per area",
                   "no checks"))
 
     bad = [c for c in checks if c["outcome"] in _BAD_OUTCOMES]
@@ -456,7 +472,8 @@ def render_html(report: dict, section_plots: list[dict] | None = None) -> str:
 # writing
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _stage(path: Path, data: bytes) -> str:
+    """Write ``data`` to a temporary file next to ``path`` (fsynced); returns its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -464,13 +481,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
 
 
 FILES = {"json": "report.json", "junit": "junit.xml", "md": "report.md", "html": "report.html"}
@@ -479,9 +493,9 @@ FILES = {"json": "report.json", "junit": "junit.xml", "md": "report.md", "html":
 def write_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     """Validate ``report`` and write report.json, junit.xml, report.md, report.html into ``out_dir``.
 
-    Everything is rendered in memory first; then each file is written to a temporary file in ``out_dir``
-    and ``os.replace``d over the target, so a reader never sees a partial file and a failure leaves the
-    previous artifacts intact. Returns ``{"json": path, "junit": path, "md": path, "html": path}``.
+    Everything is rendered in memory first; then every file is written to a temporary file in ``out_dir`` and,
+    once all four are on disk, each is ``os.replace``d over its target: a reader never sees a partial file, and a
+    failure (a full disk) leaves no new artifact. Returns ``{"json": path, "junit": path, "md": path, "html": path}``.
     """
     doc = validate(report)
     out = Path(out_dir)
@@ -492,9 +506,22 @@ def write_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
         "md": render_markdown(doc).encode("utf-8"),
         "html": render_html(doc).encode("utf-8"),
     }
+    # every file is staged before any is replaced: a full or failing disk leaves no new artifact at all (never a
+    # report.json without its junit.xml), and the error propagates
+    staged: dict[str, str] = {}
+    try:
+        for key, name in FILES.items():
+            staged[key] = _stage(out / name, blobs[key])
+    except BaseException:
+        for tmp in staged.values():
+            Path(tmp).unlink(missing_ok=True)
+        raise
     paths = {}
-    for key, name in FILES.items():
-        p = out / name
-        _atomic_write(p, blobs[key])
-        paths[key] = p
+    try:
+        for key, name in FILES.items():
+            os.replace(staged[key], out / name)
+            paths[key] = out / name
+    finally:
+        for tmp in staged.values():  # a replace that failed leaves no temp file behind
+            Path(tmp).unlink(missing_ok=True)
     return paths

@@ -9,8 +9,9 @@ from collections import Counter
 from importlib import resources
 from typing import Any
 
-OUTCOMES: tuple[str, ...] = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-SCHEMA_VERSION = "1.0"
+OUTCOMES: tuple[str, ...] = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "not_run")
+#: 1.1: outcome not_run, summary not_run/known_deviations/partial, verdict "incomplete", top-level status/selection
+SCHEMA_VERSION = "1.1"
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _MAX_LISTED = 8
 
@@ -108,12 +109,15 @@ def _consistency(report: dict) -> list[str]:
     summary = report["summary"]
     counts = Counter(c["outcome"] for c in checks)
     for o in OUTCOMES:
-        if summary[o] != counts.get(o, 0):
-            errs.append(f"$.summary.{o}: is {summary[o]} but {counts.get(o, 0)} check(s) have outcome {o!r}")
+        if summary.get(o, 0) != counts.get(o, 0):
+            errs.append(f"$.summary.{o}: is {summary.get(o, 0)} but {counts.get(o, 0)} check(s) have outcome {o!r}")
     if summary["total"] != len(checks):
         errs.append(f"$.summary.total: is {summary['total']} but there are {len(checks)} check(s)")
     if summary["verdict"] == "conformant" and (summary["failed"] or summary["error"]):
         errs.append("$.summary.verdict: 'conformant' with failed or error checks")
+    if summary["verdict"] == "conformant" and (summary.get("not_run", 0)
+                                               or (not checks and report.get("status", "complete") != "complete")):
+        errs.append("$.summary.verdict: 'conformant' with checks that did not run")
     for name, sec in (report.get("sections") or {}).items():
         plots = sec.get("plot")
         plots = plots if isinstance(plots, list) else ([plots] if plots is not None else [])
@@ -165,13 +169,48 @@ def validate(report: dict) -> dict:
     return doc
 
 
-def summarize(checks: list[dict]) -> dict:
-    """The ``summary`` object for a list of checks (verdict: conformant iff no failed and no error check)."""
+def summarize(checks: list[dict], *, status: str = "complete", partial: bool = False) -> dict:
+    """The ``summary`` object for a list of checks.
+
+    Verdict: ``non-conformant`` if a check failed or errored (a failure is a failure, however the run ended); else
+    ``incomplete`` if a planned check did not run, or nothing was planned before the run stopped (``status``); else
+    ``conformant``.
+    ``known_deviations`` counts the vendor-xfailed checks; ``partial`` marks a run restricted by --area / -k."""
     counts = Counter(c["outcome"] for c in checks)
     s: dict[str, Any] = {o: counts.get(o, 0) for o in OUTCOMES}
     s["total"] = len(checks)
-    s["verdict"] = "conformant" if s["failed"] == 0 and s["error"] == 0 else "non-conformant"
+    s["known_deviations"] = s["xfailed"]
+    s["partial"] = bool(partial)
+    if s["failed"] or s["error"]:
+        s["verdict"] = "non-conformant"
+    elif s["not_run"] or (status != "complete" and not checks):
+        s["verdict"] = "incomplete"  # a signal after the last check (while reporting) costs nothing
+    else:
+        s["verdict"] = "conformant"
     return s
+
+
+def verdict_line(report: dict) -> str:
+    """The verdict as a reader of a certificate should see it: ``CONFORMANT``, ``CONFORMANT with 15 known
+    deviations``, ``NON-CONFORMANT``, ``INCOMPLETE (interrupted: 157 of 213 checks did not run)``, plus
+    ``· partial run (areas: kv)`` for a restricted selection."""
+    s = report["summary"]
+    text = s["verdict"].upper()
+    if s["verdict"] == "conformant" and s.get("known_deviations"):
+        n = s["known_deviations"]
+        text += f" with {n} known deviation{'s' if n != 1 else ''}"
+    status = report.get("status", "complete")
+    if status != "complete" or s.get("not_run"):
+        text += f" ({status}: {s.get('not_run', 0)} of {s['total']} checks did not run)"
+    if s.get("partial"):
+        sel = report.get("selection") or {}
+        what = []
+        if sel.get("areas"):
+            what.append(f"areas: {', '.join(sel['areas'])}")
+        if sel.get("keyword"):
+            what.append(f"-k {sel['keyword']!r}")
+        text += f" · partial run ({'; '.join(what) or 'selection'})"
+    return text
 
 
 def load_report(path) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fp8rl import capabilities, tolerances
+from fp8rl import capabilities, journal, tolerances
 from fp8rl.engine import Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -180,6 +180,7 @@ class GuardedEngine:
         return lambda *a, **k: self._call(item, *a, **k)
 
     def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        journal.enter_op(op)  # if this process dies inside the op, the report names it (fp8rl.journal)
         try:
             out = getattr(self.inner, op)(*args, **kwargs)
         except Unsupported as exc:
@@ -188,6 +189,8 @@ class GuardedEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - any engine exception is an engine error
             raise EngineError(f"{self.inner.name}.{op} raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            journal.leave_op()
         if out is None:
             raise EngineError(f"{self.inner.name}.{op} returned None")
         return out
@@ -366,15 +369,26 @@ def _expect_kv_cache(obj: Any, what: str, shape: tuple[int, ...]) -> None:
 def _expect_float_tensor(t: Any, what: str, shape: tuple[int, ...]) -> None:
     if not isinstance(t, torch.Tensor):
         raise EngineError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    _expect_device(t, what)
     if tuple(t.shape) != shape:
         raise EngineError(f"{what}: expected shape {shape}, got {tuple(t.shape)}")
     if not t.is_floating_point():
         raise EngineError(f"{what}: expected a floating-point tensor, got {t.dtype}")
 
 
+#: devices whose tensors hold data the checks can read (a "meta" tensor, say, has none)
+DATA_DEVICES = ("cpu", "cuda")
+
+
+def _expect_device(t: torch.Tensor, what: str) -> None:
+    if t.device.type not in DATA_DEVICES:
+        raise EngineError(f"{what}: expected a tensor on {' or '.join(DATA_DEVICES)}, got one on {t.device}")
+
+
 def _expect_tensor(t: Any, what: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if not isinstance(t, torch.Tensor):
         raise EngineError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    _expect_device(t, what)
     if tuple(t.shape) != tuple(shape):
         raise EngineError(f"{what}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
@@ -404,7 +418,10 @@ def assert_codes_equal(got: torch.Tensor, expected: torch.Tensor, fmt: str, *, c
     diff = g != e
     # NaN codes with different payload/sign compare as different codes on purpose: the format fixes the code.
     n = int(diff.sum())
-    hist = {"0": int((d == 0).sum()), "1": int((d == 1).sum()), ">=2": int((d >= 2).sum()), "nan": int((d < 0).sum())}
+    # identical codes (NaN codes included) agree: bucket "0"; "nan" counts disagreements involving a NaN code
+    same = g == e
+    hist = {"0": int(same.sum()), "1": int((~same & (d == 1)).sum()), ">=2": int((~same & (d >= 2)).sum()),
+            "nan": int((~same & (d < 0)).sum())}
     record_metrics(ulp_hist=hist, mismatch_frac=n / max(g.size, 1), max_ulp=float(d.max()) if d.size else 0.0)
     if n:
         lines = [f"{context}: {n}/{g.size} codes differ ({fmt}); shape {g.shape}; first offending:"]

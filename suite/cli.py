@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
-from fp8rl.runner import MUTANT_MATRICES
-from fp8rl.strategies import RUN_PROFILES
+from fp8rl.runner import MUTANT_MATRICES, RUN_PROFILES
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -29,7 +31,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
     from fp8rl.registry import EngineLoadError, available_engines, load_engine
 
     console = _console()
-    rows = []
+    rows: list[dict[str, Any]] = []
     names = [n for n, src in available_engines().items() if src != "mutant"] if not args.names else args.names
     for name in names:
         try:
@@ -48,14 +50,15 @@ def cmd_engines(args: argparse.Namespace) -> int:
         table.add_column("status")
         if "error" in row:
             table.add_row("", "load", f"[red]{escape(str(row['error']))}[/red]")
+        declared: dict[str, Any] = row["capabilities"]
         for key, cap in CAPABILITIES.items():  # every key of the table, area by area
-            status = row["capabilities"].get(key)
+            status = declared.get(key)
             shown = ("[green]available[/green]" if status is True else "[dim]not declared[/dim]" if status is None
                      else f"[yellow]no:[/yellow] {escape(str(status))}")
             table.add_row(cap.area, key, shown)
         console.print(table)
         if row["description"]:
-            console.print(f"  {escape(row['description'])}\n")
+            console.print(f"  {escape(str(row['description']))}\n")
     return EXIT_OK
 
 
@@ -63,58 +66,207 @@ def cmd_engines(args: argparse.Namespace) -> int:
 _DEFAULT = object()
 
 
-def _run(engines: list[str], args: argparse.Namespace, out: Path, profile: str, *, areas=_DEFAULT,
-         extra: list[str] | None = None) -> int:
-    from fp8rl.runner import pytest_args, run_pytest
+def _prepare_out(out: Path, console: Console) -> bool:
+    """Create the output directory, prove it is writable, and remove the files a previous run left (a stale
+    report.json must never be read as this run's)."""
+    from fp8rl import journal as J
 
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fp8rl-write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+        for name in ("report.json", "report.md", "report.html", "junit.xml", J.JOURNAL_NAME):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / J.TRACE_DIR_NAME, ignore_errors=True)
+    except OSError as exc:
+        console.print(f"[red]fp8rl: --out: can't write the report to {str(out)!r}: {escape(str(exc))}[/red]")
+        return False
+    return True
+
+
+def _check_id_files(args: argparse.Namespace, console: Console) -> bool:
+    from fp8rl.plugin import parse_id_file
+
+    for opt in ("xfails", "skips"):
+        path = getattr(args, opt, None)
+        if not path:
+            continue
+        try:
+            parse_id_file(path)
+        except Exception as exc:  # noqa: BLE001 - pytest.UsageError: a missing or malformed vendor file
+            console.print(f"[red]fp8rl: --{opt}: {escape(str(exc).removeprefix('fp8rl: '))}[/red]")
+            return False
+    return True
+
+
+def _supervised_run(engines: list[str], args: argparse.Namespace, out: Path, profile: str, *,
+                    extra: list[str] | None = None, areas=_DEFAULT, packaged_xfails: bool = False):
+    """Run the checks in a supervised pytest process; returns (the supervisor's record, the reports written or
+    rebuilt from the journal, or None with a load error / nothing to report)."""
+    from fp8rl.runner import engine_dir, pytest_args, report_from_journal, run_supervised, write_results
+
+    isolation = not getattr(args, "no_isolation", False)
     pa = pytest_args(engines, profile=profile, out_dir=out, seed=args.seed, xfails=getattr(args, "xfails", None),
                      skips=getattr(args, "skips", None), areas=args.area if areas is _DEFAULT else areas,
-                     keyword=args.k, workers=args.workers, extra=extra)
-    return run_pytest(pa)
+                     keyword=args.k, workers=args.workers, isolation=isolation, packaged_xfails=packaged_xfails,
+                     extra=extra)
+    run = run_supervised(pa)
+    paths = [out / "report.json"] if len(engines) == 1 else [engine_dir(out, e) / "report.json" for e in engines]
+    if all(p.is_file() for p in paths):
+        from fp8rl.reports import load_report
+
+        return run, [load_report(p) for p in paths]
+    if run.signal_received:
+        status, detail = "interrupted", f"{run.signal_received}; the run was stopped"
+    else:
+        rc = run.returncode
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        status, detail = "crashed", f"the pytest process ended without writing its report ({how})"
+    reports = report_from_journal(out, status=status, detail=detail, profile=profile, seed=args.seed,
+                                  command=sys.argv, isolation=isolation)
+    if reports is not None:
+        try:
+            write_results(reports, out)
+        except OSError as exc:
+            raise _ReportWriteError(f"can't write the report to {str(out)!r}: {exc}") from exc
+    return run, reports
 
 
-def cmd_conformance(args: argparse.Namespace) -> int:
-    from fp8rl.registry import EngineLoadError, load_engine
-    from fp8rl.reports import load_report, print_summary
-    from fp8rl.runner import vendor_file
+class _ReportWriteError(Exception):
+    """The output directory took no report (full, read-only, gone): the run's verdict can't be delivered."""
+
+
+def _empty_interrupted_report(args: argparse.Namespace, out: Path, signal_name: str) -> list[dict]:
+    """The report of a run stopped before it planned a single check: no checks, status interrupted."""
+    from datetime import UTC, datetime
+
+    from fp8rl.runner import report_document, write_results
+
+    rep = report_document(kind="conformance", engine={"name": args.engine, "version": "not loaded",
+                                                      "capabilities": {}},
+                          profile=args.profile, seed=args.seed, started_at=datetime.now(UTC).isoformat(),
+                          duration_s=0.0, command=sys.argv, checks=[], warnings=[], sections={},
+                          status="interrupted", status_detail=f"{signal_name} before any check was planned")
+    try:
+        write_results([rep], out)
+    except OSError as exc:
+        raise _ReportWriteError(f"can't write the report to {str(out)!r}: {exc}") from exc
+    return [rep]
+
+
+def _load_error(out: Path) -> tuple[str, str] | None:
+    from fp8rl import journal as J
+
+    for rec in J.read_journal(out / J.JOURNAL_NAME):
+        if rec["type"] == "load_error":
+            return str(rec["message"]), str(rec.get("traceback", ""))
+    return None
+
+
+def _parse_seeds(text: str) -> list[int]:
+    a, sep, b = text.partition("..")
+    try:
+        lo, hi = int(a), int(b if sep else a)
+    except ValueError:
+        raise ValueError(f"--seeds: expected A..B (integers, inclusive), got {text!r}") from None
+    if hi < lo:
+        raise ValueError(f"--seeds: expected A <= B, got {text!r}")
+    return list(range(lo, hi + 1))
+
+
+def cmd_conformance_sweep(args: argparse.Namespace) -> int:
+    """``fp8rl conformance --seeds A..B``: one full run per seed (reports in ``<out>/seed-<n>``), then a checks ×
+    seeds table: the false-alarm measurement of a correct engine (every cell must be a pass)."""
+    from fp8rl.exitcodes import EXIT_INCOMPLETE, VERDICT_EXIT
+    from fp8rl.reports.sweep import sweep_table, write_sweep
 
     console = _console()
     try:
-        eng = load_engine(args.engine)
-    except EngineLoadError as exc:
+        seeds = _parse_seeds(args.seeds)
+    except ValueError as exc:
         console.print(f"[red]fp8rl: {exc}[/red]")
         return EXIT_USAGE
-    if args.xfails is None:
-        vf = vendor_file(eng.name, "xfails")
-        if vf is not None:
-            args.xfails = str(vf)
-            console.print(f"fp8rl: using the packaged vendor xfails file {vf}")
-    for opt in ("xfails", "skips"):
-        path = getattr(args, opt)
-        if path and not Path(path).is_file():
-            console.print(f"[red]fp8rl: --{opt}: file {path!r} does not exist[/red]")
-            return EXIT_USAGE
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stale = out / "report.json"
-    if stale.exists():
-        stale.unlink()
+    runs: dict[int, dict] = {}
+    codes: dict[int, int] = {}
     t0 = time.perf_counter()
-    code = _run([args.engine], args, out, args.profile)
+    for seed in seeds:
+        sub = argparse.Namespace(**{**vars(args), "seeds": None, "seed": seed, "out": str(out / f"seed-{seed}")})
+        console.print(f"[bold]== seed {seed} ({len(runs) + 1}/{len(seeds)})[/bold]")
+        codes[seed] = cmd_conformance(sub)
+        report = out / f"seed-{seed}" / "report.json"
+        if report.is_file():
+            runs[seed] = json.loads(report.read_text())
+        if codes[seed] in (EXIT_USAGE,) or (seed in runs and runs[seed].get("status") == "interrupted"):
+            break  # an interrupted sweep stops; what ran is still tabulated
+    table = sweep_table(runs)
+    paths = write_sweep(table, out, wall_s=time.perf_counter() - t0)
+    bad = [row for row in table["rows"] if any(o not in ("passed", "skipped", "xfailed") for o in row["outcomes"])]
+    console.print(f"sweep: {len(runs)} of {len(seeds)} seeds, {len(table['rows'])} checks; "
+                  f"{len(bad)} check(s) not passing on every seed; {paths['md']}")
+    for row in bad[:30]:
+        console.print(f"  {escape(row['check'])}: " + ", ".join(f"seed {s}: {o}" for s, o in
+                                                                zip(table["seeds"], row["outcomes"])
+                                                                if o not in ("passed", "skipped", "xfailed")))
+    if len(runs) < len(seeds) or any(c == EXIT_USAGE for c in codes.values()):
+        return EXIT_USAGE if any(c == EXIT_USAGE for c in codes.values()) else EXIT_INCOMPLETE
+    verdicts = [VERDICT_EXIT[r["summary"]["verdict"]] for r in runs.values()]
+    return max(verdicts, key=lambda c: {EXIT_OK: 0, EXIT_INCOMPLETE: 1, EXIT_FAIL: 2}.get(c, 3))
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from fp8rl.exitcodes import VERDICT_EXIT
+    from fp8rl.reports import print_summary
+
+    if getattr(args, "seeds", None):
+        return cmd_conformance_sweep(args)
+    console = _console()
+    if args.no_isolation and args.workers:
+        console.print("[red]fp8rl: --no-isolation runs in one process; it can't take -n/--workers[/red]")
+        return EXIT_USAGE
+    out = Path(args.out)
+    if not _check_id_files(args, console) or not _prepare_out(out, console):
+        return EXIT_USAGE
+    t0 = time.perf_counter()
+    extra = ["--fp8rl-timeout", str(args.timeout)] if args.timeout else []
+    try:
+        run, reports = _supervised_run([args.engine], args, out, args.profile,
+                                       packaged_xfails=args.xfails is None, extra=extra)
+    except _ReportWriteError as exc:
+        console.print(f"[red]fp8rl: {escape(str(exc))}[/red]")
+        return EXIT_USAGE
     wall = time.perf_counter() - t0
-    if code in (2, 3, 4) and not stale.exists():
-        console.print(f"[red]fp8rl: pytest exited with {code} (interrupted/internal/usage error); no report[/red]")
+    load_error = _load_error(out)
+    if load_error is not None:
+        console.print(f"[red]fp8rl: {escape(load_error[0])}[/red]")
+        if args.verbose:
+            console.print(escape(load_error[1]))
         return EXIT_USAGE
-    if not stale.exists():
-        console.print(f"[red]fp8rl: no report was written to {out} (pytest exit {code})[/red]")
+    if reports is None and run.signal_received:  # stopped before it planned anything: an empty, honest report
+        try:
+            reports = _empty_interrupted_report(args, out, run.signal_received)
+        except _ReportWriteError as exc:
+            console.print(f"[red]fp8rl: {escape(str(exc))}[/red]")
+            return EXIT_USAGE
+    if reports is None:
+        rc = run.returncode
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"pytest exit {rc}"
+        console.print(f"[red]fp8rl: the run ended before any check was planned ({how}; see its output above): "
+                      f"the engine could not be loaded, the run could not start, or the output directory stopped taking writes; no report[/red]")
         return EXIT_USAGE
-    report = load_report(stale)
-    if report["summary"]["total"] == 0:
+    report = reports[0]
+    if report["summary"]["total"] == 0 and report.get("status", "complete") == "complete":
         console.print("[red]fp8rl: no checks ran (selection matched nothing)[/red]")
         return EXIT_USAGE
     print_summary(report, console=console)
     console.print(f"wall time {wall:.1f} s; report: {out}/report.json, report.html, report.md, junit.xml")
-    return EXIT_OK if report["summary"]["verdict"] == "conformant" else EXIT_FAIL
+    if report.get("status", "complete") == "complete":  # the journal and op traces matter only to a broken run
+        from fp8rl import journal as J
+
+        (out / J.JOURNAL_NAME).unlink(missing_ok=True)
+        shutil.rmtree(out / J.TRACE_DIR_NAME, ignore_errors=True)
+    return VERDICT_EXIT[report["summary"]["verdict"]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,8 +286,8 @@ def _mutant_row(name: str, report: dict) -> dict:
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from fp8rl.mutants import MUTANTS
-    from fp8rl.reports import load_report, write_report
-    from fp8rl.runner import engine_dir, report_document
+    from fp8rl.reports import write_report
+    from fp8rl.runner import report_document
 
     console = _console()
     names = args.only or sorted(MUTANTS)
@@ -154,20 +306,26 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                           f"kills: {', '.join(MUTANTS[n].kills)}")
         return EXIT_OK
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not _prepare_out(out, console):
+        return EXIT_USAGE
     engines = [f"mutant:{n}" for n in names]
     t0 = time.perf_counter()
-    code = _run(engines, args, out, "mutants", areas=None if args.matrix == "declared" else args.area,
-                extra=["--fp8rl-mutant-matrix", args.matrix])
+    try:
+        run, reports = _supervised_run(engines, args, out, "mutants",
+                                       areas=None if args.matrix == "declared" else args.area,
+                                       extra=["--fp8rl-mutant-matrix", args.matrix])
+    except _ReportWriteError as exc:
+        console.print(f"[red]fp8rl: {escape(str(exc))}[/red]")
+        return EXIT_USAGE
     wall = time.perf_counter() - t0
-    rows, reports = [], []
-    for n, e in zip(names, engines):
-        path = engine_dir(out, e) / "report.json" if len(engines) > 1 else out / "report.json"
-        if not path.exists():
-            console.print(f"[red]fp8rl: no report for {e} (pytest exit {code})[/red]")
-            return EXIT_USAGE
-        reports.append(load_report(path))
-        rows.append(_mutant_row(n, reports[-1]))
+    if reports is None:
+        console.print(f"[red]fp8rl: the mutant run ended before any check was planned (pytest exit "
+                      f"{run.returncode}); no report[/red]")
+        return EXIT_USAGE
+    if any(r.get("status", "complete") != "complete" for r in reports):
+        console.print(f"[red]fp8rl: the mutant run did not complete ({reports[0].get('status_detail')}); "
+                      "a mutant that was not run can't count as killed[/red]")
+    rows = [_mutant_row(n, rep) for n, rep in zip(names, reports)]
     killed = sum(r["killed"] for r in rows)
     broken = [r for r in rows if r["survived_declared"]]
     score = killed / len(rows) if rows else 0.0
@@ -275,6 +433,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="fp8rl-report", help="report directory (default ./fp8rl-report)")
     c.add_argument("--xfails", default=None, help="vendor xfails file (default: the packaged one for the engine)")
     c.add_argument("--skips", default=None, help="vendor skips file")
+    c.add_argument("--no-isolation", action="store_true",
+                   help="run the checks in the pytest process itself (faster start; an engine that crashes or "
+                        "hangs in C code then ends the run, and the report is rebuilt from the run journal)")
+    c.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an engine-load error")
+    c.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="every check's timeout in seconds (default: each check's own); a check that runs longer is "
+                        "an error (isolated runs end a hung worker, even one stuck in C code)")
+    c.add_argument("--seeds", default=None, metavar="A..B",
+                   help="run the whole selection once per seed A..B (inclusive) and write a checks × seeds table "
+                        "(sweep.json, sweep.md) under --out; exit 1 if any seed's verdict is not conformant")
     common(c)
     c.set_defaults(func=cmd_conformance)
 
@@ -307,10 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: modules that add subcommands (imported only if present in this installation)
-EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.report_cli", "fp8rl.perf.cli")
+EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.report_cli", "fp8rl.perf.cli", "fp8rl.presets_cli")
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] and raw[0] in ("conformance", "mutants"):
+        from fp8rl.runner import record_early_signals
+
+        record_early_signals()  # a signal during start-up must still end in an honest report
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,17 +1,25 @@
 """The exit codes of every ``fp8rl`` command (one table; README documents it).
 
-===  ==================  ===================================================================================
- 0   ``EXIT_OK``         conformant; every mutant killed; a gate passed; no regression
- 1   ``EXIT_FAIL``       non-conformant (a check failed or errored); a mutant survived; a gate failed;
-                         ``report diff`` found a regression
- 2   ``EXIT_USAGE``      bad arguments, an unreadable input, or an engine that could not be loaded
- 3   ``EXIT_SUSPECT``    ``perf gate``: the measurement itself is not trustworthy (too noisy, too few pairs)
-===  ==================  ===================================================================================
+===  ===================  ===================================================================================
+ 0   ``EXIT_OK``          conformant; every mutant killed; a gate passed; no regression
+ 1   ``EXIT_FAIL``        non-conformant (a check failed or errored, however the run ended); a mutant survived;
+                          a gate failed; ``report diff`` found a regression
+ 2   ``EXIT_USAGE``       bad arguments, an unreadable or malformed input (xfails file), an output directory that
+                          can't be written, or an engine that could not be loaded (its factory, ``version()``,
+                          ``capabilities()`` or declared numerics raised)
+ 3   ``EXIT_SUSPECT``     ``perf gate``: the measurement itself is not trustworthy (too noisy, too few pairs)
+ 4   ``EXIT_INCOMPLETE``  the run did not finish and nothing failed: interrupted (SIGINT/SIGTERM), or the runner
+                          died; the report says ``incomplete`` and lists the checks that did not run
+===  ===================  ===================================================================================
 """
 
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_USAGE = 2
 EXIT_SUSPECT = 3
+EXIT_INCOMPLETE = 4
 
-__all__ = ["EXIT_FAIL", "EXIT_OK", "EXIT_SUSPECT", "EXIT_USAGE"]
+#: report verdict → exit code
+VERDICT_EXIT = {"conformant": EXIT_OK, "non-conformant": EXIT_FAIL, "incomplete": EXIT_INCOMPLETE}
+
+__all__ = ["EXIT_FAIL", "EXIT_INCOMPLETE", "EXIT_OK", "EXIT_SUSPECT", "EXIT_USAGE", "VERDICT_EXIT"]

@@ -7,25 +7,40 @@ engine and xdist worker), ``--fp8rl-profile {ci,full,nightly,mutants}``, ``--fp8
 The plugin is inert for test items that are not fp8rl checks, so having fp8rl installed does not change anybody
 else's pytest run. Outcomes: an assertion failure is ``failed``; an engine that raises, returns the wrong
 shape/dtype/None/NaN or times out is ``error``; missing capabilities are ``skipped`` with the engine's reason.
+
+A run is only as good as its end: with ``--fp8rl-report-dir`` the controller journals every planned, started and
+finished check (:mod:`fp8rl.journal`); SIGINT and SIGTERM end the run promptly with a report whose ``status`` is
+``interrupted`` and whose unfinished checks are ``not_run`` (never passed); under pytest-xdist a worker that dies
+(abort, segfault, SIGKILL, a thread-method timeout) turns the check it was running into ``error`` naming the
+signal and the engine op, and a fresh worker goes on. ``fp8rl conformance`` runs isolated by default (one xdist
+worker) and supervises the whole pytest process (:mod:`fp8rl.runner`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
 import warnings
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fp8rl import journal as J
 from fp8rl.checks import CURRENT_METRICS, CheckSpec
 from fp8rl.engine import EngineError
 from fp8rl.runner import MUTANT_MATRICES
-from fp8rl.strategies import RUN_PROFILES as PROFILES  # run profile → hypothesis profile
+from fp8rl.runner import RUN_PROFILES as PROFILES  # run profile → hypothesis profile
 
 DEFAULT_ENGINE = "reference"
+#: set by ``fp8rl conformance`` in the pytest process it supervises
+SUPERVISED_ENV = "FP8RL_SUPERVISED"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,13 +64,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "tensors, and xdist provides the parallelism)")
     group.addoption("--fp8rl-timeout", default=None, type=float, metavar="S",
                     help="override every check's timeout (seconds); a check that runs longer is an error")
+    group.addoption("--fp8rl-area", action="append", default=None, metavar="AREA",
+                    help="only the checks of this area (repeatable); the report says the run is partial")
+    group.addoption("--fp8rl-packaged-xfails", action="store_true",
+                    help="without --fp8rl-xfails, use the vendor xfails file fp8rl ships for the engine, if any")
 
 
-def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else the devices ``nvidia-smi -L`` lists."""
-    env = os.environ if env is None else env
-    if env.get("CUDA_VISIBLE_DEVICES") is not None:
-        return [g for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    environ: Mapping[str, str] = os.environ if env is None else env
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip()]
     import shutil
     import subprocess
 
@@ -75,6 +95,16 @@ def gpu_for_worker(worker_id: str, gpus: list[str]) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fp8rl_check(spec): an fp8rl conformance check (set by @check)")
     worker = getattr(config, "workerinput", {}).get("workerid")
+    fp8rl_run = bool(config.getoption("--fp8rl-profile") or config.getoption("--fp8rl-engine"))
+    if fp8rl_run and worker:
+        # the controller decides how a run ends: a worker ignores SIGINT/SIGTERM (the controller tears it down)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    elif fp8rl_run and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)  # SIGTERM ends the run like SIGINT: report, status interrupted
+        if config.getoption("--fp8rl-report-dir"):
+            trace = Path(config.getoption("--fp8rl-report-dir")) / J.TRACE_DIR_NAME
+            os.environ[J.TRACE_ENV] = str(trace)  # inherited by xdist workers spawned after this
     if worker and config.getoption("--fp8rl-gpu-per-worker"):
         gpu = gpu_for_worker(worker, visible_gpus())
         if gpu is not None:  # before any engine touches CUDA in this worker
@@ -89,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         strategies.register_profiles()
         strategies.load_profile(PROFILES[profile])
+        strategies.seed_profile(int(config.getoption("--fp8rl-seed")))
     config._fp8rl_state = _RunState(config)  # type: ignore[attr-defined]
 
 
@@ -129,20 +160,14 @@ def _deselect_for_mutants(config: pytest.Config, items: list[pytest.Item], check
     area's checks (``area``); other engines keep every check."""
     from fp8rl.mutants import MUTANTS
 
-    def wanted(name: str, spec: CheckSpec) -> bool:
+    def wanted(it: pytest.Item, spec: CheckSpec) -> bool:
+        name = _item_engine(it, config)
         mut = MUTANTS.get(name.split(":", 1)[1]) if name.startswith("mutant:") else None
         if mut is None:
             return True
         return spec.id in mut.kills if matrix == "declared" else spec.area == mut.area
 
-    keep, drop = [], []
-    for it, spec in checks:
-        (keep if wanted(_item_engine(it, config), spec) else drop).append((it, spec))
-    if drop:
-        dropped = {id(it) for it, _ in drop}
-        config.hook.pytest_deselected(items=[it for it, _ in drop])
-        items[:] = [it for it in items if id(it) not in dropped]
-    return keep
+    return _deselect(config, items, checks, wanted)
 
 
 def _item_spec(item: pytest.Item) -> CheckSpec | None:
@@ -168,15 +193,18 @@ def _case(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    checks = [(it, _item_spec(it)) for it in items]
-    checks = [(it, s) for it, s in checks if s is not None]
+    specs = [(it, _item_spec(it)) for it in items]
+    checks: list[tuple[pytest.Item, CheckSpec]] = [(it, s) for it, s in specs if s is not None]
     if not checks:
         return
     matrix = config.getoption("--fp8rl-mutant-matrix")
     if matrix != "full":
         checks = _deselect_for_mutants(config, items, checks, matrix)
+    areas = config.getoption("--fp8rl-area")
+    if areas:
+        checks = _deselect(config, items, checks, lambda it, spec: spec.area in areas)
     state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
-    for opt, marker in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
+    for opt, kind in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
         path = config.getoption(opt)
         if not path:
             continue
@@ -185,7 +213,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             for it, spec in checks:
                 if _matches(prefix, spec, it):
                     hit = True
-                    if marker == "xfail":
+                    if kind == "xfail":
                         it.add_marker(pytest.mark.xfail(reason=f"vendor xfail: {reason}", strict=False))
                     else:
                         it.add_marker(pytest.mark.skip(reason=f"vendor skip: {reason}"))
@@ -197,9 +225,48 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for it, spec in checks:
         if timeout:
             it.add_marker(pytest.mark.timeout(timeout), append=False)
-        it.user_properties.append(("fp8rl_check", {"id": spec.id, "area": spec.area, "title": spec.title,
-                                                   "bound": spec.bound, "case": _case(it),
-                                                   "engine": _item_engine(it, config)}))
+        tmark = it.get_closest_marker("timeout")
+        meta = {"id": spec.id, "area": spec.area, "title": spec.title, "bound": spec.bound, "case": _case(it),
+                "engine": _item_engine(it, config),
+                "timeout_s": float(tmark.args[0]) if tmark and tmark.args else None}
+        it.user_properties.append(("fp8rl_check", meta))
+
+
+def _deselect(config: pytest.Config, items: list[pytest.Item], checks: list, keep_if) -> list:
+    keep = [(it, spec) for it, spec in checks if keep_if(it, spec)]
+    kept = {id(it) for it, _ in keep}
+    drop = [it for it, _ in checks if id(it) not in kept]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if id(it) not in {id(d) for d in drop}]
+    return keep
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The plan: every check left after all selection (-k, --fp8rl-area, the mutant matrix). In-process the
+    controller journals it; an xdist worker hands it (with the metadata) to the controller through the trace
+    directory, before xdist reports the collection: the controller then knows every check the run should have."""
+    config = session.config
+    state: _RunState | None = getattr(config, "_fp8rl_state", None)
+    if state is None:
+        return
+    for it in session.items:
+        meta = dict(it.user_properties).get("fp8rl_check")
+        if meta is not None:
+            state.planned[it.nodeid] = meta
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if not worker:
+        if state.journal is not None:
+            state.journal.write("planned", checks=state.planned)
+        return
+    trace = os.environ.get(J.TRACE_ENV)
+    if not trace:
+        return
+    path = Path(trace) / f"planned.{worker}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"planned": state.planned, "warnings": state.warnings}))
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,28 +330,60 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 class _RunState:
+    """What the controller knows about the run: planned checks, results, engines, how the run ended."""
+
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
+        #: nodeid → check metadata of every check the run planned (in-process collection or the workers')
+        self.planned: dict[str, dict[str, Any]] = {}
         self.results: dict[str, dict[str, Any]] = {}
         self.started = time.time()
         self.started_at = datetime.now(UTC).isoformat()
         self.warnings: list[str] = []
+        #: engine name as given → the engine's description (name, version, capabilities, notes)
+        self.engines: dict[str, dict[str, Any]] = {}
+        #: why the run stopped early ("SIGINT", "SIGTERM", "maximum crashed workers reached", ...), or None
+        self.interrupted: str | None = None
+        self.crashed: str | None = None
+        self.load_error: str | None = None
+        self.journal: J.Journal | None = None
+        self.trace_dir: Path | None = None
+
+    def entry(self, nodeid: str, meta: dict[str, Any]) -> dict[str, Any]:
+        return self.results.setdefault(nodeid, {
+            **meta, "nodeid": nodeid, "outcome": "not_run", "message": "", "duration_s": 0.0, "metrics": {},
+            "done": False})
+
+    def finish(self, entry: dict[str, Any]) -> None:
+        if not entry["done"]:
+            entry["done"] = True
+            if self.journal is not None:
+                self.journal.write("result", **{k: v for k, v in entry.items() if k != "done"})
 
     def record(self, report: pytest.TestReport) -> None:
-        props = dict(report.user_properties)
-        meta = props.get("fp8rl_check")
+        props: dict[str, Any] = dict(report.user_properties)
+        meta = props.get("fp8rl_check") or self.planned.get(report.nodeid)
         if meta is None:
             return
-        entry = self.results.setdefault(report.nodeid, {
-            **meta, "nodeid": report.nodeid, "outcome": "passed", "message": "", "duration_s": 0.0,
-            "metrics": {}})
-        entry["duration_s"] += float(report.duration)
+        entry = self.entry(report.nodeid, meta)
+        entry["duration_s"] += float(report.duration or 0.0)
         if "fp8rl_metrics" in props:
             metrics = dict(props["fp8rl_metrics"])
             entry["sections"] = metrics.pop("_sections", {})
             entry["metrics"] = metrics
         wasxfail = getattr(report, "wasxfail", None)
-        if report.when == "setup":
+        if report.when == "???":  # xdist: the worker running this check died
+            node = getattr(report, "node", None)
+            worker = getattr(getattr(node, "gateway", None), "id", "?")
+            if self.interrupted:  # the run was being stopped: the check did not finish, it did not fail
+                entry["outcome"], entry["message"] = "not_run", f"interrupted ({self.interrupted}) while running"
+            else:
+                why = J.describe_death(self.trace_dir, worker, timeout_s=meta.get("timeout_s"))
+                entry["outcome"] = "error"
+                entry["message"] = (f"the worker process running this check died ({why}); a fresh worker ran the "
+                                    f"remaining checks")
+            self.finish(entry)
+        elif report.when == "setup":
             if report.skipped:
                 entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
             elif report.failed:
@@ -296,14 +395,47 @@ class _RunState:
                 entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
             elif report.passed and wasxfail is not None:
                 entry["outcome"], entry["message"] = "xpassed", str(wasxfail)
+            elif report.passed:
+                entry["outcome"] = "passed"
             elif report.failed:
                 entry["outcome"] = props.get("fp8rl_outcome", "failed")
                 entry["message"] = _message(report)
                 if "fp8rl_seed" in props:
                     entry["message"] += (f"\n[reproduce: seed {props['fp8rl_seed']} (run seed "
                                          f"{self.config.getoption('--fp8rl-seed')}); pytest {report.nodeid}]")
-        elif report.when == "teardown" and report.failed and entry["outcome"] == "passed":
-            entry["outcome"], entry["message"] = "error", _message(report)
+        elif report.when == "teardown":
+            if report.failed and entry["outcome"] == "passed":
+                entry["outcome"], entry["message"] = "error", _message(report)
+            self.finish(entry)
+
+    def final_results(self) -> dict[str, dict[str, Any]]:
+        """Every planned check with its outcome; one that never finished is ``not_run`` (never passed)."""
+        out: dict[str, dict[str, Any]] = {}
+        for nodeid, meta in self.planned.items():
+            e = dict(self.results.get(nodeid) or self.entry(nodeid, meta))
+            if not e["done"]:
+                reason = self.interrupted or self.crashed or "the run ended before this check"
+                started = e["outcome"] != "not_run" or e["duration_s"] > 0
+                e["outcome"] = "not_run"
+                e["message"] = f"not run: {reason}" + (" (it was running)" if started else "")
+            out[nodeid] = e
+        for nodeid, e in self.results.items():  # results the plan did not know of (defensive: never dropped)
+            out.setdefault(nodeid, e)
+        return out
+
+    @property
+    def status(self) -> str:
+        return "interrupted" if self.interrupted else "crashed" if self.crashed else "complete"
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGINT/SIGTERM in the controller: remember why, then stop the run the way Ctrl-C does."""
+    state = _STATE.get("state")
+    name = signal.Signals(signum).name
+    if state is not None and not state.interrupted:
+        state.interrupted = name
+        J.kill_traced_processes(state.trace_dir)  # end the workers now: their running checks become not_run
+    raise KeyboardInterrupt(name)
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -331,12 +463,87 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         state.record(report)
 
 
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    state = _STATE.get("state")
+    if state is None:
+        return
+    J.set_current_node(nodeid)  # the op trace of this process names the check
+    if state.journal is not None and nodeid in state.planned:
+        state.journal.write("start", nodeid=nodeid)
+
+
 _STATE: dict[str, _RunState] = {}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _STATE["state"] = session.config._fp8rl_state  # type: ignore[attr-defined]
+    """Controller: open the journal, load and describe every engine (a load failure ends the run with exit 2 and a
+    journal record), resolve the packaged vendor xfails file before xdist hands the options to its workers."""
+    config = session.config
+    state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
+    _STATE["state"] = state
+    if not (config.getoption("--fp8rl-profile") or config.getoption("--fp8rl-engine")):
+        return
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker or not getattr(config.option, "numprocesses", None):
+        # the processes that run engine code trace the op they are in (after pytest's own faulthandler setup)
+        J.start_trace(worker or "main")
+    if worker:
+        return
+    signal.signal(signal.SIGINT, _terminate)
+    out_dir = config.getoption("--fp8rl-report-dir")
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state.trace_dir = out / J.TRACE_DIR_NAME
+        state.trace_dir.mkdir(exist_ok=True)
+        state.journal = J.Journal(out / J.JOURNAL_NAME)
+        areas, keyword = config.getoption("--fp8rl-area"), config.getoption("keyword") or None
+        state.journal.write("run", engines=engine_names(config), pid=os.getpid(),
+                            selection={"areas": areas, "keyword": keyword} if (areas or keyword) else None)
+    from fp8rl.runner import describe_engine, vendor_file
+
+    for name in engine_names(config):
+        try:
+            state.engines[name] = describe_engine(name)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is a load error (exit 2), not a verdict
+            state.load_error = f"{exc}" if type(exc).__name__ == "EngineLoadError" else \
+                f"engine {name!r}: {type(exc).__name__}: {exc}"
+            if state.journal is not None:
+                state.journal.write("load_error", engine=name, message=state.load_error,
+                                    traceback=traceback.format_exc())
+            from fp8rl.exitcodes import EXIT_USAGE
+
+            if os.environ.get(SUPERVISED_ENV):  # fp8rl conformance prints the one line (traceback with -v)
+                if state.journal is not None:
+                    state.journal.close()
+                os._exit(EXIT_USAGE)
+            pytest.exit(f"fp8rl: {state.load_error}", returncode=EXIT_USAGE)
+    if state.journal is not None:
+        state.journal.write("engines", descriptions=state.engines)
+    if config.getoption("--fp8rl-packaged-xfails") and not config.getoption("--fp8rl-xfails"):
+        files = {vendor_file(d["name"], "xfails") for d in state.engines.values()}
+        if len(files) == 1 and None not in files:
+            config.option.fp8rl_xfails = str(files.pop())
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the plugin must also load without xdist
+def pytest_xdist_node_collection_finished(node: Any, ids: Any) -> None:
+    """Controller: the planned checks (with metadata) and vendor-file warnings a worker collected."""
+    state = _STATE.get("state")
+    if state is None or state.trace_dir is None or state.planned:
+        return
+    path = state.trace_dir / f"planned.{node.gateway.id}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    state.planned.update({nid: meta for nid, meta in data["planned"].items() if nid in set(ids)})
+    for w in data.get("warnings", []):
+        if w not in state.warnings:
+            state.warnings.append(w)
+    if state.journal is not None:
+        state.journal.write("planned", checks=state.planned)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -345,16 +552,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     state: _RunState | None = _STATE.pop("state", None)
     out_dir = config.getoption("--fp8rl-report-dir")
-    if state is None or not out_dir:
+    if state is None or not out_dir or state.load_error:
         return
+    if exitstatus == pytest.ExitCode.INTERRUPTED and not state.interrupted:
+        state.interrupted = "KeyboardInterrupt"
+    xdist_summary = getattr(config.pluginmanager.getplugin("dsession"), "_summary_report", None)
+    if xdist_summary and not state.interrupted:
+        state.crashed = f"xdist: {xdist_summary}"
     from fp8rl.runner import build_report, write_results
 
-    report = build_report(state.results, engines=engine_names(config),
+    areas = config.getoption("--fp8rl-area")
+    keyword = config.getoption("keyword") or None
+    report = build_report(state.final_results(), engines=engine_names(config), descriptions=state.engines,
                           profile=config.getoption("--fp8rl-profile") or "ci",
                           seed=config.getoption("--fp8rl-seed"), started_at=state.started_at,
                           duration_s=time.time() - state.started, command=sys.argv,
-                          warnings=state.warnings)
+                          warnings=state.warnings, status=state.status,
+                          status_detail=(state.interrupted or state.crashed or "")
+                          + (" before any check was planned" if state.status != "complete" and not state.planned
+                             else "") or None,
+                          selection={"areas": areas, "keyword": keyword} if (areas or keyword) else None)
     write_results(report, Path(out_dir))
+    if state.journal is not None:
+        state.journal.write("report_written", status=state.status)
+        state.journal.close()
 
 
 __all__ = ["PROFILES", "engine_names", "parse_id_file"]

@@ -31,6 +31,10 @@ BUILTINS: dict[str, str] = {
     "sglang": "fp8rl.engines.sglang:SglangEngine",
     "triton-interpret": "fp8rl.engines.triton_interpret:TritonInterpretEngine",
     "triton-interpret-faithful": "fp8rl.engines.triton_interpret:TritonInterpretFaithfulEngine",
+    "trl": "fp8rl.engines.trl:TrlEngine",
+    "areal": "fp8rl.engines.areal:ArealEngine",
+    "openrlhf": "fp8rl.engines.openrlhf:OpenRlhfEngine",
+    "skyrl": "fp8rl.engines.skyrl:SkyrlEngine",
 }
 
 
@@ -108,7 +112,36 @@ def load_engine(name: str) -> Engine:
             raise EngineLoadError(f"engine {name!r}: {what}() raised {type(exc).__name__}: {exc}") from exc
         if what == "capabilities":
             try:
-                validate_declared(name, value)
+                caps = validate_declared(name, value)
             except ValueError as exc:
                 raise EngineLoadError(str(exc)) from None
+    _check_declared_numerics(name, engine, caps)
     return engine
+
+
+def _check_declared_numerics(name: str, engine: Engine, caps: dict) -> None:
+    """The numerics an engine declares for what it says it can do must be readable: ``cast_overflow(fmt)`` for
+    ``cast.<fmt>``, ``scale_policy(kind)`` for ``quantize.<kind>``, ``kv_policy(fmt, layout)`` for the KV area
+    (Unsupported is an answer; any other exception is a load error)."""
+    from fp8rl.engine import Unsupported
+
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    for key, status in caps.items():
+        if status is not True:
+            continue
+        family, _, arg = key.partition(".")
+        if family == "cast" and arg != "bf16":
+            calls.append(("cast_overflow", (arg,)))
+        elif family == "quantize":
+            calls.append(("scale_policy", (arg,)))
+    if any(k.startswith("kv.") and v is True for k, v in caps.items()):
+        calls += [("kv_policy", (fmt, layout)) for fmt in ("e4m3fn", "e5m2") for layout in ("tensor", "head",
+                                                                                               "token_head")]
+    for op, args in calls:
+        try:
+            getattr(engine, op)(*args)
+        except Unsupported:
+            continue
+        except Exception as exc:  # noqa: BLE001 - declared numerics that raise make the engine unloadable
+            raise EngineLoadError(f"engine {name!r}: declared numerics {op}{args!r} raised "
+                                  f"{type(exc).__name__}: {exc}") from exc

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import fp8rl
 
+#: fp8rl's run profiles (``--profile`` / ``--fp8rl-profile``) → the hypothesis profile each loads
+#: (:mod:`fp8rl.strategies` registers them)
+RUN_PROFILES: dict[str, str] = {"ci": "ci", "full": "dev", "nightly": "nightly", "mutants": "mutants"}
 #: which checks ``fp8rl mutants`` runs each mutant against (``--fp8rl-mutant-matrix``): its declared killers, its
 #: area's checks, or every check
 MUTANT_MATRICES = ("declared", "area", "full")
@@ -29,20 +33,26 @@ def vendor_file(engine: str, kind: str) -> Path | None:
     return Path(str(p)) if p.is_file() else None
 
 
-def _describe_engine(name: str) -> dict[str, Any]:
-    from fp8rl.registry import EngineLoadError, load_engine
+def describe_engine(name: str) -> dict[str, Any]:
+    """Load the engine ``name`` and describe it for a report (name, version, capabilities, instrument notes).
 
-    try:
-        eng = load_engine(name)
-        caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
-        out = {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
-               "capabilities": caps}
-        notes = [str(n) for n in eng.instrument_notes()]
-        if notes:
-            out["notes"] = notes
-        return out
-    except EngineLoadError as exc:
-        return {"name": name, "version": "unloadable", "capabilities": {}, "load_error": str(exc)}
+    Raises :class:`fp8rl.registry.EngineLoadError` (or whatever the engine raises in ``instrument_notes``) when
+    the engine can't be loaded: the caller turns that into exit 2."""
+    from fp8rl.registry import load_engine
+
+    eng = load_engine(name)
+    caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
+    out = {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
+           "capabilities": caps}
+    notes = [str(n) for n in eng.instrument_notes()]
+    if notes:
+        out["notes"] = notes
+    from fp8rl.presets_cli import declared_presets
+
+    presets = declared_presets(eng)  # the provenance of each ScalePolicy preset the engine declares
+    if presets:
+        out["presets"] = presets
+    return out
 
 
 def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: int, started_at: str,
@@ -65,7 +75,7 @@ def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: in
         "started_at": started_at,
         "duration_s": round(float(duration_s), 3),
         "command": [str(c) for c in command],
-        "summary": summarize(checks),  # conformant iff no failed/error
+        "summary": summarize(checks, status=extra.get("status", "complete"), partial=bool(extra.get("selection"))),
         "checks": checks,
         "warnings": list(warnings),
         "sections": sections,
@@ -74,8 +84,14 @@ def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: in
 
 
 def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], profile: str, seed: int,
-                 started_at: str, duration_s: float, command: list[str], warnings: list[str]) -> list[dict]:
-    """One report dict (the published schema) per engine, from the plugin's per-node results."""
+                 started_at: str, duration_s: float, command: list[str], warnings: list[str],
+                 descriptions: dict[str, dict[str, Any]] | None = None, status: str = "complete",
+                 status_detail: str | None = None, selection: dict[str, Any] | None = None) -> list[dict]:
+    """One report dict (the published schema) per engine, from the plugin's per-node results.
+
+    ``descriptions``: engine name → :func:`describe_engine` (loaded now for the names it lacks); ``status``:
+    complete / interrupted / crashed (``status_detail`` says why); ``selection``: the --area / -k restriction of a
+    partial run."""
     from fp8rl.mutants import killers_by_check
 
     kills = killers_by_check()
@@ -93,9 +109,15 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
             checks.append(c)
             sections.update(r.get("sections", {}))
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))
-        reports.append(report_document(kind="conformance", engine=_describe_engine(name), profile=profile,
-                                       seed=seed, started_at=started_at, duration_s=duration_s, command=command,
-                                       checks=checks, warnings=warnings, sections=sections))
+        desc = (descriptions or {}).get(name) or describe_engine(name)
+        extra: dict[str, Any] = {"status": status}
+        if status_detail:
+            extra["status_detail"] = status_detail
+        if selection:
+            extra["selection"] = selection
+        reports.append(report_document(kind="conformance", engine=desc, profile=profile, seed=seed,
+                                       started_at=started_at, duration_s=duration_s, command=command,
+                                       checks=checks, warnings=warnings, sections=sections, **extra))
     return reports
 
 
@@ -116,35 +138,180 @@ def write_results(reports: list[dict], out_dir: Path) -> list[Path]:
     return written
 
 
+#: xdist replaces a crashed worker at most this many times in one run (each crash is one check's ``error``)
+MAX_WORKER_RESTARTS = 1000
+
+
 def pytest_args(engines: list[str], *, profile: str, out_dir: Path, seed: int = 0, xfails: str | None = None,
                 skips: str | None = None, areas: list[str] | None = None, keyword: str | None = None,
-                workers: int | None = None, extra: list[str] | None = None) -> list[str]:
+                workers: int | None = None, isolation: bool = True, packaged_xfails: bool = False,
+                extra: list[str] | None = None) -> list[str]:
+    """The pytest command line of a conformance run.
+
+    ``isolation`` (the default): the checks run in pytest-xdist worker processes (``workers``, default 1), so a
+    crash, abort or C-level hang takes down a worker, not the run: the check becomes ``error`` and a fresh worker
+    continues (timeouts use pytest-timeout's thread method, which ends a hung worker). ``isolation=False`` runs the
+    checks in the pytest process itself (faster start; a crash then ends the run, and the supervisor rebuilds
+    the report from the journal)."""
     args = ["--pyargs", "fp8rl.conformance", "-p", "no:cacheprovider", "-q", "--no-header",
             "-o", "addopts=", "-o", "console_output_style=classic", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-            "--fp8rl-profile", profile, "--fp8rl-report-dir", str(out_dir), "--fp8rl-seed", str(seed)]
+            "--fp8rl-profile", profile, "--fp8rl-report-dir", str(out_dir), "--fp8rl-seed", str(seed),
+            f"--hypothesis-seed={seed}"]  # the hypothesis checks' examples follow the run seed (strategies.seed_profile)
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        args += ["-p", "fp8rl.plugin"]
+        args += ["-p", "fp8rl.plugin", "-p", "pytest_timeout"] + (["-p", "xdist.plugin"] if isolation else [])
     for e in engines:
         args += ["--fp8rl-engine", e]
     if xfails:
         args += ["--fp8rl-xfails", xfails]
+    elif packaged_xfails:
+        args += ["--fp8rl-packaged-xfails"]
     if skips:
         args += ["--fp8rl-skips", skips]
-    kw = []
-    if areas:
-        kw.append(" or ".join(f"test_{a}" for a in areas))
+    for a in areas or ():
+        args += ["--fp8rl-area", a]
     if keyword:
-        kw.append(keyword)
-    if kw:
-        args += ["-k", " and ".join(f"({k})" for k in kw)]
-    if workers:
-        args += ["-n", str(workers)]
+        args += ["-k", keyword]
+    if isolation:
+        args += ["-n", str(workers or 1), "--max-worker-restart", str(MAX_WORKER_RESTARTS), "--timeout-method",
+                 "thread"]
+    else:
+        args += ["-p", "no:xdist"]
     return args + list(extra or [])
 
 
-def run_pytest(args: list[str]) -> int:
-    """Run pytest in-process; returns its exit code."""
-    import pytest
+@dataclass
+class SupervisedRun:
+    """How the pytest process of a run ended: its exit code (negative: the signal that killed it), and the signal
+    the supervisor received (SIGINT/SIGTERM), if any."""
 
-    return int(pytest.main(args))
+    returncode: int
+    signal_received: str | None = None
+    killed: bool = False
 
+
+#: signals a command received before its supervised run started (``fp8rl.cli.main`` records them from its first
+#: moment, so that a SIGTERM during start-up still ends in an honest report, not a killed process)
+EARLY_SIGNALS: list[str] = []
+
+
+def record_early_signals() -> None:
+    """Install SIGINT/SIGTERM handlers that only remember the signal (see :data:`EARLY_SIGNALS`)."""
+    import signal
+
+    def remember(signum: int, frame: object) -> None:
+        EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, remember)
+
+
+def run_supervised(args: list[str], *, grace_s: float = 30.0) -> SupervisedRun:
+    """Run pytest in a child process (its own session, so a terminal's Ctrl-C reaches only this supervisor) and
+    supervise it: SIGINT/SIGTERM received here are passed on (the run stops and writes an interrupted report); a
+    child that has not ended ``grace_s`` seconds later is killed with its whole process group."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fp8rl.plugin import SUPERVISED_ENV
+
+    if EARLY_SIGNALS:  # stopped before it started
+        return SupervisedRun(1, EARLY_SIGNALS[0])
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], start_new_session=True,
+                            env={**os.environ, SUPERVISED_ENV: "1"})
+    received: list[str] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if not received:
+            received.append(signal.Signals(signum).name)
+            try:
+                proc.send_signal(signum)  # the run stops as it would on that signal (and says which)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    killed = False
+    try:
+        deadline = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline and not killed:
+                killed = True
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not killed:  # the child's own workers (xdist) must not outlive it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return SupervisedRun(rc, received[0] if received else None, killed)
+
+
+def report_from_journal(out_dir: Path, *, status: str, detail: str, profile: str, seed: int,
+                        command: list[str], isolation: bool) -> list[dict] | None:
+    """Rebuild the reports of a run whose pytest process died without writing them, from its journal: finished
+    checks as they ended; the check that was running as ``error`` (the engine code ran in that process, so its
+    death is the engine's: signal and op named) unless the run was interrupted (then ``not_run``); every other
+    planned check ``not_run``. None when the journal has no plan (the run died before collecting its checks)."""
+    from fp8rl import journal as J
+
+    planned: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    running: set[str] = set()
+    engines: list[str] = []
+    descriptions: dict[str, dict[str, Any]] = {}
+    started_at = None
+    selection = None
+    for rec in J.read_journal(out_dir / J.JOURNAL_NAME):
+        kind = rec["type"]
+        if kind == "run":
+            engines = list(rec["engines"])
+            started_at = started_at or rec["t"]
+            selection = rec.get("selection")
+        elif kind == "engines":
+            descriptions = rec["descriptions"]
+        elif kind == "planned":
+            planned.update(rec["checks"])
+        elif kind == "start":
+            running.add(rec["nodeid"])
+        elif kind == "result":
+            e = {k: v for k, v in rec.items() if k not in ("type", "t")}
+            results[e["nodeid"]] = e
+            running.discard(e["nodeid"])
+    if not planned:
+        return None
+    import time
+    from datetime import UTC, datetime
+
+    final: dict[str, dict[str, Any]] = {}
+    for nodeid, meta in planned.items():
+        if nodeid in results:
+            final[nodeid] = results[nodeid]
+            continue
+        e = {**meta, "nodeid": nodeid, "outcome": "not_run", "message": f"not run: {detail}", "duration_s": 0.0,
+             "metrics": {}}
+        if nodeid in running and status == "crashed":
+            process = "main" if not isolation else "?"
+            why = J.describe_death(out_dir / J.TRACE_DIR_NAME, process, timeout_s=meta.get("timeout_s"))
+            e["outcome"] = "error"
+            e["message"] = f"the run's process died while running this check ({detail}; {why})"
+        elif nodeid in running:
+            e["message"] = f"not run: {detail} (it was running)"
+        final[nodeid] = e
+    t0 = float(started_at or time.time())
+    return build_report(final, engines=engines, descriptions=descriptions, profile=profile, seed=seed,
+                        started_at=datetime.fromtimestamp(t0, UTC).isoformat(), duration_s=time.time() - t0,
+                        command=command, warnings=[f"report rebuilt from the run journal: {detail}"],
+                        status=status, status_detail=detail, selection=selection)

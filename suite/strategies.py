@@ -38,8 +38,7 @@ __all__ = [
 
 PROFILE_ENV = "FP8RL_HYPOTHESIS_PROFILE"
 PROFILE_NAMES: tuple[str, ...] = ("ci", "dev", "nightly", "mutants")
-#: fp8rl's run profiles (``--profile`` / ``--fp8rl-profile``) → the hypothesis profile each loads
-RUN_PROFILES: dict[str, str] = {"ci": "ci", "full": "dev", "nightly": "nightly", "mutants": "mutants"}
+
 CI_MAX_EXAMPLES = 25
 
 _f32 = np.float32
@@ -67,6 +66,19 @@ def load_profile(name: str) -> str:
     register_profiles()
     settings.load_profile(name)
     return name
+
+
+def seed_profile(run_seed: int) -> None:
+    """Make the loaded profile's examples a function of the run seed (``fp8rl conformance --seed N``): seed 0 of a
+    derandomized profile (ci, mutants) keeps its fixed examples; any other seed, and every seed of a randomized
+    profile (full, nightly), draws from the seed hypothesis is given with ``--hypothesis-seed`` (which
+    ``fp8rl.runner.pytest_args`` passes), never from the example database, so a run is reproducible from its seed."""
+    current = settings.default
+    assert current is not None  # a profile is loaded (load_profile)
+    if run_seed == 0 and current.derandomize:
+        return
+    settings.register_profile(f"_fp8rl_seeded_{run_seed}", parent=current, derandomize=False, database=None)
+    settings.load_profile(f"_fp8rl_seeded_{run_seed}")
 
 
 def load_profile_from_env(default: str | None = None) -> str:

@@ -69,9 +69,9 @@ def test_calibration_command_writes_the_budgets_file(tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_calibrate(n_seeds, models, recipes, progress=True):
+    def fake_calibrate(n_seeds, models, recipes, progress=True, n_sampling=1):
         calls.append((n_seeds, models, recipes))
-        return _fake_samples(models, recipes, 2 * n_seeds)
+        return _fake_samples(models, recipes, 2 * n_seeds * n_sampling)
 
     monkeypatch.setattr(E, "calibrate", fake_calibrate)
     installed = T.load_e2e_budgets()

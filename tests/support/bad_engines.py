@@ -80,3 +80,112 @@ class BracketReason(ReferenceEngine):
 
     def capabilities(self):
         return {"cast.e4m3fn": "needs pip install '.[extra]'"}
+
+
+# ---- engines that take their process down, or misbehave at load (the reliability tests) ------------------------
+
+
+class _CrashesOnE5m2(ReferenceEngine):
+    """Conformant, except that ``cast(x, "e5m2")`` dies the way a C extension does: the checks of other formats
+    run (and pass) before and after the crash."""
+
+    def _die(self) -> None:
+        raise NotImplementedError
+
+    def cast(self, x, fmt):
+        if fmt == "e5m2":
+            self._die()
+        return super().cast(x, fmt)
+
+
+class Aborts(_CrashesOnE5m2):
+    name = "aborts"
+
+    def _die(self):
+        import os
+
+        os.abort()  # SIGABRT: a C++ assert, a CUDA illegal-memory-access abort
+
+
+class Segfaults(_CrashesOnE5m2):
+    name = "segfaults"
+
+    def _die(self):
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV: a kernel that reads address 0
+
+
+class HangsInC(_CrashesOnE5m2):
+    name = "hangs-in-c"
+
+    def _die(self):
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        while True:  # a C-level hang that ignores the Python-level (signal) timeout: only a thread timeout ends it
+            libc.usleep(1_000_000)
+
+
+class OomKilled(_CrashesOnE5m2):
+    """Leaks memory until the OS kills it: allocates, then is SIGKILLed the way the OOM killer ends a process (the
+    test does not exhaust the machine's memory)."""
+
+    name = "oom-killed"
+
+    def _die(self):
+        import os
+        import signal
+
+        hoard = [bytearray(64 << 20) for _ in range(4)]  # 256 MiB leaked
+        os.kill(os.getpid(), signal.SIGKILL if hoard else signal.SIGTERM)
+
+
+class LeaksUntilMemoryError(_CrashesOnE5m2):
+    """Leaks until an allocation fails (under the address-space limit the test sets): a Python MemoryError."""
+
+    name = "leaks-until-memory-error"
+
+    def _die(self):
+        hoard = []
+        while True:
+            hoard.append(bytearray(256 << 20))
+
+
+class CapabilitiesRaise(ReferenceEngine):
+    name = "capabilities-raise"
+
+    def capabilities(self):
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+
+class NumericsRaise(ReferenceEngine):
+    name = "numerics-raise"
+
+    def cast_overflow(self, fmt):
+        raise RuntimeError("libfp8.so: cannot open shared object file")
+
+
+class UnknownCapability(ReferenceEngine):
+    name = "unknown-capability"
+
+    def capabilities(self):
+        return {**super().capabilities(), "quantize.mxfp9": True}
+
+
+class WrongDevice(ReferenceEngine):
+    name = "wrong-device"
+
+    def cast(self, x, fmt):
+        return super().cast(x, fmt).to("meta")
+
+
+class SlowCast(ReferenceEngine):
+    """Conformant but slow: each cast sleeps, so that a signal sent during the run lands mid-check."""
+
+    name = "slow-cast"
+
+    def cast(self, x, fmt):
+        time.sleep(1.0)
+        return super().cast(x, fmt)
