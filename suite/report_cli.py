@@ -3,6 +3,9 @@
 ``fp8rl report diff OLD NEW`` lists every check whose outcome changed between two reports (a report.json or the
 directory holding it) and exits 1 when one regressed (passed → failed/error, xfailed → error, a check that ran
 and is now missing), 0 otherwise: the regression gate of an upgrade.
+
+``fp8rl report compare REPORT... [--unavailable NAME] [--out DIR]`` renders one engine × correction-option table
+(:mod:`fp8rl.reports.compare`) as compare.md and a self-contained compare.html; ``--area all`` keeps every check.
 """
 
 from __future__ import annotations
@@ -43,6 +46,46 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_REGRESSED if d.regressions else EXIT_OK
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fp8rl.reports import ReportValidationError
+    from fp8rl.reports import compare as K
+
+    columns = []
+    for path in args.reports:
+        try:
+            columns.append(K.column_from_report(_load(path), args.area))
+        except (FileNotFoundError, ReportValidationError, json.JSONDecodeError) as exc:
+            print(f"fp8rl report compare: {exc}")
+            return EXIT_USAGE
+    rows = K.rows_of(columns)
+    for name in args.unavailable:
+        from fp8rl.engine import capability_reason
+        from fp8rl.registry import EngineLoadError, load_engine
+
+        try:
+            eng = load_engine(name)
+        except EngineLoadError as exc:
+            print(f"fp8rl report compare: --unavailable {name}: {exc}")
+            return EXIT_USAGE
+        reason = capability_reason(eng, "rollout_correction") or "available here: run it and pass its report"
+        columns.append(K.column_unavailable(eng.name, eng.version(), reason, rows))
+    if not columns:
+        print("fp8rl report compare: expected at least one report.json (or --unavailable NAME)")
+        return EXIT_USAGE
+    md = K.to_markdown(columns, rows)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(md)
+        (out / "compare.html").write_text(K.to_html(columns, rows))
+    except OSError as exc:
+        print(f"fp8rl report compare: --out {args.out}: {exc}")
+        return EXIT_USAGE
+    print(md)
+    print(f"written: {out / 'compare.md'}, {out / 'compare.html'}")
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="compare report.json files of earlier runs")
     rsub = r.add_subparsers(dest="report_command", required=True)
@@ -51,3 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("new", help="the report.json to judge (or its directory)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=cmd_diff)
+    c = rsub.add_parser("compare", help="engine × correction option table (conformant / deviation / not supported) "
+                                        "from several reports; writes compare.md and compare.html")
+    c.add_argument("reports", nargs="*", help="report.json files (or their directories), one column each")
+    c.add_argument("--unavailable", action="append", default=[], metavar="NAME",
+                   help="an engine that cannot run here: a column of 'not run' with its adapter's reason")
+    c.add_argument("--area", default="correction", help="the area whose checks are rows ('all': every check)")
+    c.add_argument("--out", default="fp8rl-compare", help="directory for compare.md / compare.html")
+    c.set_defaults(func=cmd_compare)
