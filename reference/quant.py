@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import bf16_bits_rne, decode, encode_codes, encode_codes_into, get_format
+from fp8rl.reference.formats import bf16_bits_rne, decode, encode_codes
 from fp8rl.reference.policy import (
     FLOOR_MODES,
     POW2_MODES,
@@ -236,6 +236,14 @@ def _as_input(x, name: str = "x") -> torch.Tensor:
     return x.detach().to("cpu", _F32)
 
 
+def _pad_to(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the trailing dims of x to ``sizes`` (only growing)."""
+    pads: list[int] = []
+    for dim_size, want in zip(reversed(x.shape[-len(sizes):]), reversed(sizes)):
+        pads += [0, want - dim_size]
+    return torch.nn.functional.pad(x, pads) if any(pads) else x
+
+
 def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """amax = max |x| over each group of ``g`` (fp32, shape ``g.scale_shape(x.shape)``).
 
@@ -245,8 +253,22 @@ def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """
     x = _as_input(x)
     shape = g.check_shape(tuple(x.shape))
-    # one strip of rows at a time (max is exact, so this equals one reduction over the whole group)
-    return torch.from_numpy(_amax_by_strips(_rows_view(x, g), g)).reshape(g.scale_shape(shape))
+    a = x.abs()
+    if g.kind == "tensor":
+        return a.amax().reshape(1)
+    if g.kind in ("token", "channel"):
+        return a.amax(dim=-1, keepdim=True)
+    if g.kind == "group":
+        gs = g.size[1]
+        n = -(-shape[-1] // gs)
+        a = _pad_to(a, (n * gs,))
+        return a.reshape(*shape[:-1], n, gs).amax(dim=-1)
+    bm, bn = g.size
+    nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
+    a = _pad_to(a, (nm * bm, nn * bn))
+    # inner (contiguous) dim first, then the rows: the same maxima (max is exact and NaN-propagating either way),
+    # ~1.5x faster than one reduction over the strided dims (1, 3)
+    return a.reshape(nm, bm, nn, bn).amax(dim=3).amax(dim=1)
 
 
 def _f32(v: float) -> torch.Tensor:
@@ -441,126 +463,6 @@ def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> to
     return op(x, _expand(t, g, shape))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Strip-wise evaluation (the hot path of compute_amax and quantize_with_scale)
-#
-# Large inputs are processed one strip of rows at a time, in numpy on one thread. Every element still gets exactly
-# the fp32 operation of the whole-tensor formula (max is exact; x/s and x·m are the same IEEE operation on the same
-# operand pair), so amax and codes are bit-identical to it; only the order of independent elementwise passes
-# changes, so that a strip's intermediates stay in cache between them and no tensor-sized temporary is allocated.
-# tests/oracle/test_quant_fast_path.py compares both forms on every granularity, policy, edge shape and special value.
-
-#: elements per strip (fp32: 512 KiB, so a strip and its code table indexes stay in cache)
-_STRIP_ELEMS = 1 << 17
-
-
-def _rows_view(x: torch.Tensor, g: Granularity) -> np.ndarray:
-    """x as a C-contiguous 2-D fp32 array: (M, N) for channel/block, (prod(leading dims), K) otherwise; a tensor-wide
-    group as (1, n)."""
-    a = np.ascontiguousarray(x.numpy())
-    return a.reshape(1, -1) if g.kind == "tensor" else a.reshape(-1, a.shape[-1])
-
-
-def _strips(g: Granularity, rows: int, cols: int):
-    """Row ranges [r0, r1) covering ``rows``, about ``_STRIP_ELEMS`` elements each (whole rows, at least one); for
-    blocks a strip never crosses a block-row boundary, so it shares one row of scales."""
-    step = max(1, _STRIP_ELEMS // cols)
-    r0 = 0
-    while r0 < rows:
-        r1 = min(r0 + step, rows)
-        if g.kind == "block":
-            r1 = min(r1, (r0 // g.size[0] + 1) * g.size[0])
-        yield r0, r1
-        r0 = r1
-
-
-def _col_spans(g: Granularity, cols: int) -> tuple[int, int]:
-    """(columns per group, number of column groups) of the 2-D view."""
-    if g.kind == "group":
-        return g.size[1], -(-cols // g.size[1])
-    if g.kind == "block":
-        return g.size[1], -(-cols // g.size[1])
-    return cols, 1
-
-
-def _amax_by_strips(a: np.ndarray, g: Granularity) -> np.ndarray:
-    """max |x| per group of the 2-D view ``a`` (:func:`_rows_view`), one strip at a time; shape (rows, groups) for
-    token/channel/group, (ceil(M/Bm), ceil(N/Bn)) for block, (1, 1) for tensor. np.max and np.maximum propagate NaN,
-    as torch's amax does."""
-    rows, cols = a.shape
-    width, ngroups = _col_spans(g, cols)
-    out_rows = -(-rows // g.size[0]) if g.kind == "block" else (1 if g.kind == "tensor" else rows)
-    out = np.empty((out_rows, ngroups), dtype=np.float32)
-    if g.kind == "tensor":
-        buf = np.empty(min(cols, _STRIP_ELEMS), dtype=np.float32)
-        maxima = []
-        for c0 in range(0, cols, buf.size):
-            piece = a[0, c0:c0 + buf.size]
-            np.abs(piece, out=buf[:piece.size])
-            maxima.append(buf[:piece.size].max())
-        out[0, 0] = np.max(np.array(maxima, dtype=np.float32))
-        return out
-    starts = np.arange(0, cols, width)
-    buf = np.empty(min(rows, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
-    for r0, r1 in _strips(g, rows, cols):
-        b = buf[:(r1 - r0) * cols].reshape(r1 - r0, cols)
-        np.abs(a[r0:r1], out=b)
-        if cols % width == 0:
-            per_group = b.reshape(r1 - r0, ngroups, width).max(axis=2)
-        else:
-            per_group = np.maximum.reduceat(b, starts, axis=1)
-        if g.kind != "block":
-            out[r0:r1] = per_group
-        elif r0 % g.size[0] == 0:
-            out[r0 // g.size[0]] = per_group.max(axis=0)
-        else:
-            np.maximum(out[r0 // g.size[0]], per_group.max(axis=0), out=out[r0 // g.size[0]])
-    return out
-
-
-def _codes_by_strips(x: torch.Tensor, t: torch.Tensor, g: Granularity, divide: bool, policy: ScalePolicy) -> torch.Tensor:
-    """Pipeline step 7 for fp32 arithmetic: codes of q = fl(x/t) (``divide``) or fl(x·t) with t the per-group scale or
-    multiplier, clamp(q, -T, T) if ``policy.clamp``, then the RNE cast (:func:`~fp8rl.reference.formats.
-    encode_codes_into`) — a strip of rows at a time.
-
-    The clamp is skipped when it cannot change a code: with ``overflow="saturate"`` and fl32(T) equal to the
-    format's max finite value, the cast already maps every |q| > T to ±max finite, and NaN passes both unchanged.
-    """
-    a = _rows_view(x, g)
-    rows, cols = a.shape
-    width, ngroups = _col_spans(g, cols)
-    tv = np.ascontiguousarray(t.numpy()).reshape(-1 if g.kind != "tensor" else 1, ngroups)
-    op = np.divide if divide else np.multiply
-    limit = np.float32(policy.max_value)
-    clamp = policy.clamp and not (policy.overflow == "saturate" and float(limit) == get_format(policy.fmt).max_finite)
-    codes = np.empty(a.size, dtype=np.uint8)
-    if g.kind == "tensor":  # one scale: strips of the flat array
-        q = np.empty(min(cols, _STRIP_ELEMS), dtype=np.float32)
-        for c0 in range(0, cols, q.size):
-            piece = a[0, c0:c0 + q.size]
-            qs = q[:piece.size]
-            op(piece, tv[0, 0], out=qs)
-            if clamp:
-                np.clip(qs, -limit, limit, out=qs)
-            encode_codes_into(qs, codes[c0:c0 + piece.size], policy.fmt, policy.overflow)
-        return torch.from_numpy(codes.reshape(tuple(x.shape)))
-    q = np.empty(min(rows, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
-    for r0, r1 in _strips(g, rows, cols):
-        xs = a[r0:r1]
-        ts = tv[r0 // g.size[0]][None, :] if g.kind == "block" else tv[r0:r1]  # this strip's scales: (1 or rows, groups)
-        qs = q[:xs.size]
-        if cols % width == 0 and g.kind in ("group", "block"):  # broadcast view, no expanded operand
-            op(xs.reshape(r1 - r0, ngroups, width), ts[:, :, None], out=qs.reshape(r1 - r0, ngroups, width))
-        elif g.kind in ("group", "block"):
-            op(xs, np.repeat(ts, width, axis=1)[:, :cols], out=qs.reshape(r1 - r0, cols))
-        else:
-            op(xs, ts, out=qs.reshape(r1 - r0, cols))
-        if clamp:
-            np.clip(qs, -limit, limit, out=qs)
-        encode_codes_into(qs, codes[r0 * cols:r1 * cols], policy.fmt, policy.overflow)
-    return torch.from_numpy(codes.reshape(tuple(x.shape)))
-
-
 def expand_scale(scale: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group tensor (scale, amax, multiplier) of shape ``g.scale_shape(shape)`` to ``shape``."""
     if not isinstance(scale, torch.Tensor):
@@ -595,18 +497,17 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
         raise ValueError(f"scale: expected shape {want} for {g.label} over {shape}, got {tuple(scale.shape)}")
     scale = scale.cpu()
     if policy.quant_op == "div":
-        t, op = scale, torch.div
+        q = _apply_per_group(x, scale, g, torch.div)
     elif policy.quant_op == "mul_recip":
-        t, op = _round(_f32(1.0) / scale, rd), torch.mul
+        q = _apply_per_group(x, _round(_f32(1.0) / scale, rd), g, torch.mul)
     else:
         if amax is None:
             amax = compute_amax(x, g)
         elif tuple(amax.shape) != g.scale_shape(shape):
             raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
-        t, op = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype), torch.mul
-    if rd is None:  # fp32 arithmetic: strip by strip, bit-identical to the lines below (see _codes_by_strips)
-        return _codes_by_strips(x, t, g, op is torch.div, policy)
-    q = _round(_apply_per_group(x, t, g, op), rd)
+        m = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype)
+        q = _apply_per_group(x, m, g, torch.mul)
+    q = _round(q, rd)
     if policy.clamp:
         t = policy.max_value
         q = q.clamp_(-t, t)
