@@ -205,7 +205,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         checks = _deselect(config, items, checks, lambda it, spec: spec.area in areas)
     state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
     for opt, kind in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
-        path = config.getoption(opt)
+        # a packaged vendor file the controller resolved reaches an xdist worker through its workerinput
+        path = config.getoption(opt) or getattr(config, "workerinput", {}).get(f"fp8rl_{kind}s")
         if not path:
             continue
         for prefix, reason in parse_id_file(path):
@@ -370,6 +371,7 @@ class _RunState:
         if "fp8rl_metrics" in props:
             metrics = dict(props["fp8rl_metrics"])
             entry["sections"] = metrics.pop("_sections", {})
+            entry["coverage"] = metrics.pop("_coverage", {})
             entry["metrics"] = metrics
         wasxfail = getattr(report, "wasxfail", None)
         if report.when == "???":  # xdist: the worker running this check died
@@ -525,6 +527,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         files = {vendor_file(d["name"], "xfails") for d in state.engines.values()}
         if len(files) == 1 and None not in files:
             config.option.fp8rl_xfails = str(files.pop())
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the plugin must also load without xdist
+def pytest_configure_node(node: Any) -> None:
+    """Controller: hand each worker the vendor xfails file resolved at session start (workers parse only the
+    command line, which does not name a packaged file)."""
+    path = node.config.getoption("--fp8rl-xfails")
+    if path:
+        node.workerinput["fp8rl_xfails"] = str(path)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: the plugin must also load without xdist
