@@ -332,6 +332,9 @@ class VerlEngine(Engine):
             raise Unsupported("veRL has no geometric IS level (rollout_is must be 'token' or 'sequence')")
         if config.rollout_token_veto_threshold is not None:
             raise Unsupported("veRL 0.9.1 has no rollout_token_veto_threshold (removed in #4544)")
+        if config.is_bounds is not None and config.is_bounds[0] == 0.0:
+            raise Unsupported("veRL has no masked IS with an upper bound only: its 'lo_hi' rollout_is_threshold "
+                              "requires lo > 0 (ValueError 'lower bound must be positive')")
         proto, new_mask, metrics = mods.helper.compute_rollout_correction_and_rejection_mask(
             old_log_prob=train_logp,
             rollout_log_prob=rollout_logp,
