@@ -75,9 +75,10 @@ def one_line(text: str, limit: int = 160) -> str:
     return s if len(s) <= limit else s[: limit - 1].rstrip() + "…"
 
 
-def judge(checks: dict[str, dict], ids: tuple[str, ...]) -> Cell:
-    """The cell of one option: ``checks`` maps a check id to its report entry."""
-    present = [checks[i] for i in ids if i in checks]
+def judge(checks: dict[str, Any], ids: tuple[str, ...]) -> Cell:
+    """The cell of one option: ``checks`` maps a check id to its report entry, or to the list of its entries (a
+    parametrized check has one per case; any failing case makes the deviation)."""
+    present = [e for i in ids if i in checks for e in (checks[i] if isinstance(checks[i], list) else [checks[i]])]
     if not present:
         return Cell("—")
     bad = [c for c in present if c["outcome"] in FAILING]
@@ -87,7 +88,7 @@ def judge(checks: dict[str, dict], ids: tuple[str, ...]) -> Cell:
         return Cell("deviation", f"{c['id']} ({kind}): {one_line(c.get('message') or '')}", [c["id"] for c in bad])
     ran = [c for c in present if c["outcome"] == "passed"]
     if ran:
-        note = "" if len(ran) == len(present) else f"{len(ran)}/{len(present)} checks ran"
+        note = "" if len(ran) == len(present) else f"{len(ran)}/{len(present)} ran"
         return Cell("conformant", note, [c["id"] for c in ran])
     skipped = [c for c in present if c["outcome"] == "skipped"]
     if skipped:
@@ -105,7 +106,10 @@ class Column:
 
 
 def column_from_report(report: dict[str, Any], area: str = "correction") -> Column:
-    checks = {c["id"]: c for c in report.get("checks", []) if area == "all" or c.get("area") == area}
+    checks: dict[str, list[dict]] = {}
+    for c in report.get("checks", []):
+        if area == "all" or c.get("area") == area:
+            checks.setdefault(c["id"], []).append(c)
     cells = {label: judge(checks, ids) for label, ids in OPTIONS}
     known = {i for _, ids in OPTIONS for i in ids}
     for cid in sorted(set(checks) - known):  # checks of other areas or new ones: their own row

@@ -19,7 +19,7 @@ def test_cell_verdicts():
         _check("CORR-RS-002", "passed"), _check("CORR-RS-003", "xfailed", "vendor xfail: inverse ratio\nmore"),
         _check("CORR-GEO-001", "skipped", "rollout_correction: no geometric level"),
         _check("CORR-VAL-001", "failed", "DID NOT RAISE"))}
-    assert K.judge(checks, ("CORR-TIS-001", "CORR-TIS-004")).text() == "conformant: 1/2 checks ran"
+    assert K.judge(checks, ("CORR-TIS-001", "CORR-TIS-004")).text() == "conformant: 1/2 ran"
     dev = K.judge(checks, ("CORR-RS-002", "CORR-RS-003"))
     assert dev.verdict == "deviation" and dev.reason == "CORR-RS-003 (known deviation): inverse ratio"
     assert K.judge(checks, ("CORR-GEO-001",)).text() == "skipped: rollout_correction: no geometric level"
@@ -45,3 +45,10 @@ def test_table_markdown_and_html():
 def test_one_line():
     assert K.one_line("vendor xfail: first line\nsecond") == "first line"
     assert K.one_line("x" * 300, 10) == "x" * 9 + "…"
+
+
+def test_a_failing_case_of_a_parametrized_check_makes_the_deviation():
+    rep = _report("a", [_check("CORR-TIS-001", "passed"), _check("CORR-TIS-001", "failed", "case 2 wrong"),
+                        _check("CORR-TIS-001", "passed")])
+    cell = K.column_from_report(rep).cells["token-level TIS (truncate at U)"]
+    assert cell.text() == "deviation: CORR-TIS-001 (failed): case 2 wrong"
