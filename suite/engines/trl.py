@@ -125,9 +125,10 @@ class _GrpoSelf:
         self.vllm_importance_sampling_clip_min = clip_min
         self.vllm_importance_sampling_clip_max = clip_max
         self.beta = 0.0
-        self._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        self._metrics: dict[str, collections.defaultdict[str, list]] = {
+            "train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
         dq = collections.deque
-        self._logs = {"prompt": dq(), "completion": dq(), "rewards": collections.defaultdict(dq), "advantages": dq(),
+        self._logs: dict[str, Any] = {"prompt": dq(), "completion": dq(), "rewards": collections.defaultdict(dq), "advantages": dq(),
                       "extra": collections.defaultdict(dq), "images": dq()}
         self._pending_extra_logs: dict = {}
         self._pending_metrics: dict = {}
