@@ -4,8 +4,9 @@
     python -m fp8rl.perf.suite_speed --conformance   # also time `fp8rl conformance --profile ci` (target ≤ 60 s)
 
 1. The oracle's 128×128 block quantization (``fp8rl.reference.quant.quantize(x, Granularity.block(128))``) of a
-   4096×4096 fp32 weight vs a veRL-style PyTorch blockwise quantizer on the same input (target ratio ≤ 1.0×: the
-   oracle must not be the slow part of anyone's CI). veRL is not installed here, so the quantizer below re-implements
+   4096×4096 fp32 weight vs a veRL-style PyTorch blockwise quantizer on the same input (target ratio ≤ 0.5×: the
+   oracle sits on the critical path of every check and must not be the slow part of anyone's CI). Both run with the
+   same torch thread count (the oracle splits its rows between ``torch.get_num_threads()`` threads). veRL is not installed here, so the quantizer below re-implements
    the steps of veRL's PyTorch path (``verl/utils/kernel/fp8_kernel.py`` ``_scaled_fp8_blockwise_pytorch``,
    ``VERL_DISABLE_TRITON_FP8=1``; docs/verl-correction.md §3.2): zero-pad to multiples of 128, reshape/permute to blocks, fp32
    ``amax``, ``scale = 448/amax`` (1 where amax is 0 or inf), ``x·scale``, clamp to ±448, cast to e4m3fn, undo the
@@ -27,6 +28,8 @@ import tempfile
 import time
 
 FP8_MAX = 448.0
+#: the oracle's block quantizer may take at most this fraction of the veRL-style quantizer's time
+TARGET_RATIO = 0.5
 
 
 def verl_style_blockwise(x, block: int = 128):
@@ -61,7 +64,7 @@ def _time(fn, *a) -> float:
     return time.perf_counter() - t0
 
 
-def measure_quantizers(size: int = 4096, repeats: int = 3, seed: int = 0, policy: str = "reference") -> dict:
+def measure_quantizers(size: int = 4096, repeats: int = 7, seed: int = 0, policy: str = "reference") -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -80,7 +83,7 @@ def measure_quantizers(size: int = 4096, repeats: int = 3, seed: int = 0, policy
     mo, mv = statistics.median(to), statistics.median(tv)
     return {"size": size, "repeats": repeats, "policy": policy, "torch_threads": torch.get_num_threads(),
             "oracle_s": to, "verl_style_s": tv, "oracle_median_s": mo, "verl_style_median_s": mv,
-            "ratio_oracle_over_verl": mo / mv, "target_ratio": 1.0, "meets_target": mo / mv <= 1.0,
+            "ratio_oracle_over_verl": mo / mv, "target_ratio": TARGET_RATIO, "meets_target": mo / mv <= TARGET_RATIO,
             "verl_torch_policy_code_mismatches": code_mismatch, "verl_torch_policy_scale_mismatches": scale_mismatch}
 
 
@@ -102,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp8rl.perf.suite_speed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats; the medians are compared")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", default="reference", help="oracle ScalePolicy preset (default reference)")
     ap.add_argument("--conformance", action="store_true", help="also time fp8rl conformance --profile ci")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected at least 1, got {args.repeats}")
+    if args.size < 1:
+        ap.error(f"--size: expected a positive matrix size, got {args.size}")
     out = {"quantize": measure_quantizers(args.size, args.repeats, args.seed, args.policy)}
     if args.conformance:
         out["conformance"] = measure_conformance()
@@ -115,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     q = out["quantize"]
-    verdict = "meets the ≤ 1.0× target" if q["meets_target"] else "ORACLE IS SLOWER than the veRL-style quantizer"
+    verdict = (f"meets the ≤ {TARGET_RATIO}× target" if q["meets_target"]
+               else f"MISSES the ≤ {TARGET_RATIO}× target")
     print(f"block 128×128 quantization of a {q['size']}×{q['size']} fp32 weight "
           f"({q['repeats']} interleaved repeats, {q['torch_threads']} torch threads):")
     print(f"  oracle ({q['policy']}):       median {q['oracle_median_s'] * 1e3:9.1f} ms   {['%.1f' % (t * 1e3) for t in q['oracle_s']]}")

@@ -196,31 +196,39 @@ def encode_codes(x, fmt: str | FP8Format, overflow: OverflowPolicy = "saturate",
     which rounds the exponent field bitwise.
     """
     f = get_format(fmt)
+    _check_overflow(f, overflow)
+    a = _as_numpy_f32(x)
+    if f.name != "e8m0fnu" and a.size >= _LUT_MIN_SIZE:
+        out = np.empty(a.shape, dtype=np.uint8)
+        encode_codes_into(np.ascontiguousarray(a).reshape(-1), out.reshape(-1), f.name, overflow)
+        return out
+    return _encode_codes_direct(a, f, overflow, e8m0_rounding)
+
+
+def _check_overflow(f: FP8Format, overflow: str) -> None:
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow: expected one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if overflow == "inf" and not f.has_inf:
         raise ValueError(f"overflow: {f.name} has no infinity; use 'saturate' or 'nan'")
-    a = _as_numpy_f32(x)
-    if f.name != "e8m0fnu" and a.size >= _LUT_MIN_SIZE:
-        return _encode_codes_lut(a, f.name, overflow)
-    return _encode_codes_direct(a, f, overflow, e8m0_rounding)
 
 
 #: inputs at least this large go through the lookup table (building a table costs ~16k direct encodes)
 _LUT_MIN_SIZE = 1 << 15
+#: elements per step of the table path: its index buffers (2 × 512 KiB) stay in cache between the passes
+_LUT_CHUNK = 1 << 17
 
 
 def _lut_shift(f: FP8Format) -> int:
-    """Bit position of the fp32 round bit for a normal result: 23 − man_bits − 1."""
+    """Bit position r of the fp32 round bit for a normal result: 23 − man_bits − 1."""
     return 23 - f.man_bits - 1
 
 
 @cache
 def _encode_lut(fmt: str, overflow: str) -> np.ndarray:
-    """Code table indexed by (fp32 bits above the round-bit position ‖ sticky bit).
+    """Code table indexed by i = 2·(b >> r) + sticky, b the fp32 bits, r = :func:`_lut_shift`, sticky = [b mod 2^r ≠ 0].
 
     The direct encoder's result depends only on the sign, the exponent field, the significand bits down to the
-    round bit of a *normal* result (position 22 − man_bits), and whether any bit below is set (sticky): for
+    round bit of a *normal* result (position r = 22 − man_bits), and whether any bit below is set (sticky): for
     subnormal results the rounding position is higher, so its round and sticky bits are functions of the same
     inputs; NaN vs inf and the overflow decision are too. So encoding one representative per index — the index's
     top bits followed by a single set bit when sticky — gives every fp32 input's code exactly. The table is built
@@ -236,16 +244,42 @@ def _encode_lut(fmt: str, overflow: str) -> np.ndarray:
     return _encode_codes_direct(values, f, overflow, "nearest_ties_up")
 
 
-def _encode_codes_lut(a: np.ndarray, fmt: str, overflow: str) -> np.ndarray:
+def encode_codes_into(a: np.ndarray, out: np.ndarray, fmt: str | FP8Format, overflow: OverflowPolicy = "saturate") -> None:
+    """Write the codes of the contiguous 1-D fp32 array ``a`` into the uint8 array ``out`` (same length), through the
+    table of :func:`_encode_lut`: equal to :func:`encode_codes` for every fp32 bit pattern (not for e8m0fnu).
+
+    With b the fp32 bits as uint32 and r = :func:`_lut_shift`: ``i = 2·(b >> r) + (((b & (2^r − 1)) + 2^r − 1) >> r)``
+    — adding 2^r − 1 to the low r bits carries into bit r exactly when one of them is set, so the second term is the
+    sticky bit without a comparison; nothing overflows 32 bits. ``out = table[i]``. It runs in steps of
+    ``_LUT_CHUNK`` elements so that the index buffers stay in cache between the passes (a single pass over 16M
+    elements would re-read them from memory six times).
+    """
     f = get_format(fmt)
-    shift = _lut_shift(f)
-    bits = np.ascontiguousarray(a).view(np.uint32)
-    index = bits >> np.uint32(shift)
-    index <<= np.uint32(1)
-    sticky = bits & np.uint32((1 << shift) - 1)
-    np.minimum(sticky, np.uint32(1), out=sticky)
-    index |= sticky
-    return _encode_lut(fmt, overflow)[index]
+    if f.name == "e8m0fnu":
+        raise ValueError("fmt: the table path encodes element formats; e8m0fnu goes through encode_codes")
+    _check_overflow(f, overflow)
+    if a.dtype != np.float32 or a.ndim != 1 or not a.flags.c_contiguous:
+        raise TypeError(f"a: expected a contiguous 1-D float32 array, got {a.dtype} with shape {a.shape}")
+    if out.dtype != np.uint8 or out.shape != a.shape:
+        raise TypeError(f"out: expected a uint8 array of shape {a.shape}, got {out.dtype} {out.shape}")
+    table = _encode_lut(f.name, overflow)
+    shift = np.uint32(_lut_shift(f))
+    low = np.uint32((1 << int(shift)) - 1)
+    bits = a.view(np.uint32)
+    n = bits.size
+    step = min(_LUT_CHUNK, n)
+    index = np.empty(step, dtype=np.uint32)
+    sticky = np.empty(step, dtype=np.uint32)
+    for start in range(0, n, step):
+        b = bits[start:start + step]
+        ix, st = index[:b.size], sticky[:b.size]
+        np.bitwise_and(b, low, out=st)
+        np.add(st, low, out=st)
+        np.right_shift(st, shift, out=st)
+        np.right_shift(b, shift, out=ix)
+        np.left_shift(ix, np.uint32(1), out=ix)
+        np.bitwise_or(ix, st, out=ix)
+        np.take(table, ix, out=out[start:start + b.size])
 
 
 def _encode_codes_direct(a: np.ndarray, f: FP8Format, overflow: str, e8m0_rounding: str) -> np.ndarray:

@@ -35,12 +35,13 @@ Pipeline (``T`` = target max, ``fl`` = fp32 rounding, ``R`` = fl then the comput
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-from fp8rl.reference.formats import bf16_bits_rne, decode, encode_codes
+from fp8rl.reference.formats import bf16_bits_rne, decode, encode_codes, encode_codes_into, get_format
 from fp8rl.reference.policy import (
     FLOOR_MODES,
     POW2_MODES,
@@ -236,14 +237,6 @@ def _as_input(x, name: str = "x") -> torch.Tensor:
     return x.detach().to("cpu", _F32)
 
 
-def _pad_to(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Zero-pad the trailing dims of x to ``sizes`` (only growing)."""
-    pads: list[int] = []
-    for dim_size, want in zip(reversed(x.shape[-len(sizes):]), reversed(sizes)):
-        pads += [0, want - dim_size]
-    return torch.nn.functional.pad(x, pads) if any(pads) else x
-
-
 def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """amax = max |x| over each group of ``g`` (fp32, shape ``g.scale_shape(x.shape)``).
 
@@ -253,22 +246,8 @@ def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """
     x = _as_input(x)
     shape = g.check_shape(tuple(x.shape))
-    a = x.abs()
-    if g.kind == "tensor":
-        return a.amax().reshape(1)
-    if g.kind in ("token", "channel"):
-        return a.amax(dim=-1, keepdim=True)
-    if g.kind == "group":
-        gs = g.size[1]
-        n = -(-shape[-1] // gs)
-        a = _pad_to(a, (n * gs,))
-        return a.reshape(*shape[:-1], n, gs).amax(dim=-1)
-    bm, bn = g.size
-    nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
-    a = _pad_to(a, (nm * bm, nn * bn))
-    # inner (contiguous) dim first, then the rows: the same maxima (max is exact and NaN-propagating either way),
-    # ~1.5x faster than one reduction over the strided dims (1, 3)
-    return a.reshape(nm, bm, nn, bn).amax(dim=3).amax(dim=1)
+    # one strip of rows at a time (max is exact, so this equals one reduction over the whole group)
+    return torch.from_numpy(_amax_by_strips(_rows_view(x, g), g)).reshape(g.scale_shape(shape))
 
 
 def _f32(v: float) -> torch.Tensor:
@@ -463,6 +442,169 @@ def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> to
     return op(x, _expand(t, g, shape))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Strip-wise evaluation (the hot path of compute_amax and quantize_with_scale)
+#
+# Large inputs are processed one strip of rows at a time, in numpy, the rows split between torch.get_num_threads()
+# threads (numpy releases the GIL inside its loops; each thread writes only its own rows). Every element gets exactly
+# the fp32 operation of the whole-tensor formula (max is exact; x/s and x·m are the same IEEE operation on the same
+# operand pair), so amax and codes are bit-identical to it; only the order of independent elementwise passes
+# changes, so that a strip's intermediates stay in cache between them and no tensor-sized temporary is allocated.
+# tests/oracle/test_reference_formats.py (test_quantize_fast_path_*) compares both forms on every granularity, distinct
+# preset, edge shape and special value.
+
+#: elements per strip (fp32: 512 KiB, so a strip and its code table indexes stay in cache)
+_STRIP_ELEMS = 1 << 17
+
+
+def _rows_view(x: torch.Tensor, g: Granularity) -> np.ndarray:
+    """x as a C-contiguous 2-D fp32 array: (M, N) for channel/block, (prod(leading dims), K) otherwise; a tensor-wide
+    group as (1, n)."""
+    a = np.ascontiguousarray(x.numpy())
+    return a.reshape(1, -1) if g.kind == "tensor" else a.reshape(-1, a.shape[-1])
+
+
+def _strips(g: Granularity, lo: int, hi: int, cols: int):
+    """Row ranges [r0, r1) covering rows lo..hi, about ``_STRIP_ELEMS`` elements each (whole rows, at least one); for
+    blocks a strip never crosses a block-row boundary, so it shares one row of scales."""
+    step = max(1, _STRIP_ELEMS // cols)
+    r0 = lo
+    while r0 < hi:
+        r1 = min(r0 + step, hi)
+        if g.kind == "block":
+            r1 = min(r1, (r0 // g.size[0] + 1) * g.size[0])
+        yield r0, r1
+        r0 = r1
+
+
+def _col_spans(g: Granularity, cols: int) -> tuple[int, int]:
+    """(columns per group, number of column groups) of the 2-D view: (G or Bn, ceil(cols/G or Bn)), else (cols, 1)."""
+    if g.kind in ("group", "block"):
+        return g.size[1], -(-cols // g.size[1])
+    return cols, 1
+
+
+def _row_ranges(g: Granularity, rows: int, cols: int = 1) -> list[tuple[int, int]]:
+    """``rows`` (of ``cols`` elements) split into one contiguous range per worker thread (``torch.get_num_threads()``,
+    but no more ranges than strips: small inputs stay on the calling thread); for blocks the cuts fall on block-row
+    boundaries, so no two ranges share a row of scales."""
+    align = g.size[0] if g.kind == "block" else 1
+    units = -(-rows // align)
+    parts = max(1, min(torch.get_num_threads(), units, rows * cols // _STRIP_ELEMS))
+    cuts = [min(rows, (units * i // parts) * align) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _on_threads(work, ranges: list[tuple[int, int]]) -> list:
+    """[work(lo, hi) for each range], the ranges on parallel threads (numpy releases the GIL in its loops; each range
+    writes only its own rows of the outputs)."""
+    def run(r: tuple[int, int]):
+        with np.errstate(all="ignore"):  # per thread; NaN, inf and 0/0 are inputs like any other here
+            return work(*r)
+
+    if len(ranges) == 1:
+        return [run(ranges[0])]
+    with ThreadPoolExecutor(max_workers=len(ranges)) as pool:
+        return list(pool.map(run, ranges))
+
+
+def _amax_by_strips(a: np.ndarray, g: Granularity) -> np.ndarray:
+    """max |x| per group of the 2-D view ``a`` (:func:`_rows_view`), one strip at a time; shape (rows, groups) for
+    token/channel/group, (ceil(M/Bm), ceil(N/Bn)) for block, (1, 1) for tensor. np.max and np.maximum propagate NaN,
+    as torch's amax does."""
+    if g.kind == "tensor":  # strips of the flat array, one maximum each
+        flat = a.reshape(-1)
+
+        def tensor_work(lo: int, hi: int) -> np.floating:
+            buf = np.empty(min(hi - lo, _STRIP_ELEMS), dtype=np.float32)
+            maxima = []
+            for c0 in range(lo, hi, buf.size):
+                piece = flat[c0:min(c0 + buf.size, hi)]
+                np.abs(piece, out=buf[:piece.size])
+                maxima.append(buf[:piece.size].max())
+            return np.max(np.array(maxima, dtype=np.float32))
+
+        return np.array([[np.max(np.array(_on_threads(tensor_work, _row_ranges(g, flat.size)), dtype=np.float32))]],
+                        dtype=np.float32)
+    rows, cols = a.shape
+    width, ngroups = _col_spans(g, cols)
+    out = np.empty((-(-rows // g.size[0]) if g.kind == "block" else rows, ngroups), dtype=np.float32)
+    starts = np.arange(0, cols, width)
+
+    def work(lo: int, hi: int) -> None:
+        buf = np.empty(min(hi - lo, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
+        for r0, r1 in _strips(g, lo, hi, cols):
+            b = buf[:(r1 - r0) * cols].reshape(r1 - r0, cols)
+            np.abs(a[r0:r1], out=b)
+            if g.kind == "block":  # rows first (an elementwise max down the strip), then the column groups
+                b = b.max(axis=0, keepdims=True)
+            if cols % width == 0:
+                per_group = b.reshape(len(b), ngroups, width).max(axis=2)
+            else:
+                per_group = np.maximum.reduceat(b, starts, axis=1)
+            if g.kind != "block":
+                out[r0:r1] = per_group
+            elif r0 % g.size[0] == 0:
+                out[r0 // g.size[0]] = per_group[0]
+            else:
+                np.maximum(out[r0 // g.size[0]], per_group[0], out=out[r0 // g.size[0]])
+
+    _on_threads(work, _row_ranges(g, rows, cols))
+    return out
+
+
+def _codes_by_strips(x: torch.Tensor, t: torch.Tensor, g: Granularity, divide: bool, policy: ScalePolicy) -> torch.Tensor:
+    """Pipeline step 7 for fp32 arithmetic: codes of q = fl(x/t) (``divide``) or fl(x·t) with t the per-group scale or
+    multiplier, clamp(q, -T, T) if ``policy.clamp``, then the RNE cast (:func:`~fp8rl.reference.formats.
+    encode_codes_into`) — a strip of rows at a time.
+
+    The clamp is skipped when it cannot change a code: with ``overflow="saturate"`` and fl32(T) equal to the
+    format's max finite value, the cast already maps every |q| > T to ±max finite, and NaN passes both unchanged.
+    """
+    a = _rows_view(x, g)
+    rows, cols = a.shape
+    width, ngroups = _col_spans(g, cols)
+    tv = np.ascontiguousarray(t.numpy()).reshape(-1, ngroups)  # (rows or block rows, groups); (1, 1) for tensor
+    op = np.divide if divide else np.multiply
+    limit = np.float32(policy.max_value)
+    clamp = policy.clamp and not (policy.overflow == "saturate" and float(limit) == get_format(policy.fmt).max_finite)
+    codes = np.empty(a.size, dtype=np.uint8)
+
+    def finish(qs: np.ndarray, lo: int) -> None:
+        """clamp and cast a strip's quotients ``qs`` (flat) into codes[lo:lo + qs.size]."""
+        if clamp:
+            np.clip(qs, -limit, limit, out=qs)
+        encode_codes_into(qs, codes[lo:lo + qs.size], policy.fmt, policy.overflow)
+
+    def tensor_work(lo: int, hi: int) -> None:  # one scale: strips of the flat array
+        flat = a.reshape(-1)
+        q = np.empty(min(hi - lo, _STRIP_ELEMS), dtype=np.float32)
+        for c0 in range(lo, hi, q.size):
+            piece = flat[c0:min(c0 + q.size, hi)]
+            op(piece, tv[0, 0], out=q[:piece.size])
+            finish(q[:piece.size], c0)
+
+    def work(lo: int, hi: int) -> None:
+        q = np.empty(min(hi - lo, max(1, _STRIP_ELEMS // cols)) * cols, dtype=np.float32)
+        for r0, r1 in _strips(g, lo, hi, cols):
+            xs = a[r0:r1]
+            ts = tv[r0 // g.size[0]][None, :] if g.kind == "block" else tv[r0:r1]  # (1 or rows, groups)
+            qs = q[:xs.size]
+            if cols % width == 0 and g.kind in ("group", "block"):  # broadcast view, no expanded operand
+                op(xs.reshape(r1 - r0, ngroups, width), ts[:, :, None], out=qs.reshape(r1 - r0, ngroups, width))
+            elif g.kind in ("group", "block"):
+                op(xs, np.repeat(ts, width, axis=1)[:, :cols], out=qs.reshape(r1 - r0, cols))
+            else:
+                op(xs, ts, out=qs.reshape(r1 - r0, cols))
+            finish(qs, r0 * cols)
+
+    if g.kind == "tensor":
+        _on_threads(tensor_work, _row_ranges(g, a.size))
+    else:
+        _on_threads(work, _row_ranges(g, rows, cols))
+    return torch.from_numpy(codes.reshape(tuple(x.shape)))
+
+
 def expand_scale(scale: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group tensor (scale, amax, multiplier) of shape ``g.scale_shape(shape)`` to ``shape``."""
     if not isinstance(scale, torch.Tensor):
@@ -497,17 +639,18 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
         raise ValueError(f"scale: expected shape {want} for {g.label} over {shape}, got {tuple(scale.shape)}")
     scale = scale.cpu()
     if policy.quant_op == "div":
-        q = _apply_per_group(x, scale, g, torch.div)
+        operand, divide = scale, True
     elif policy.quant_op == "mul_recip":
-        q = _apply_per_group(x, _round(_f32(1.0) / scale, rd), g, torch.mul)
+        operand, divide = _round(_f32(1.0) / scale, rd), False
     else:
         if amax is None:
             amax = compute_amax(x, g)
         elif tuple(amax.shape) != g.scale_shape(shape):
             raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
-        m = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype)
-        q = _apply_per_group(x, m, g, torch.mul)
-    q = _round(q, rd)
+        operand, divide = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype), False
+    if rd is None:  # fp32 arithmetic: strip by strip, bit-identical to the lines below (see _codes_by_strips)
+        return _codes_by_strips(x, operand, g, divide, policy)
+    q = _round(_apply_per_group(x, operand, g, torch.div if divide else torch.mul), rd)
     if policy.clamp:
         t = policy.max_value
         q = q.clamp_(-t, t)

@@ -907,16 +907,18 @@ def test_ulp_distance_all_pairs_match_value_rank_exact(name):
 def test_lookup_table_path_equals_direct_encoder_exact(name, policy):
     """Large inputs are encoded through a table built by the direct bit-level encoder; both paths must agree on
     every fp32 bit pattern class: 2^20 uniformly random patterns (all signs, exponents, NaN payloads, subnormals)
-    plus every index's extreme low bits (all-zero and all-one below the round bit)."""
+    plus every index's extreme low bits (all-zero, only bit 0 — the sticky bit's carry formula at its edge — only
+    the highest, and all-one below the round bit). The input spans several table chunks and ends in a partial one."""
     rng = np.random.default_rng(20261129)
     f = F.FORMATS[name]
     shift = 23 - f.man_bits - 1
     tops = np.arange(1 << (32 - shift), dtype=np.uint64) << np.uint64(shift)
     low_ones = np.uint64((1 << shift) - 1)
     patterns = np.concatenate([rng.integers(0, 2**32, 1 << 20, dtype=np.uint64), tops, tops | low_ones,
-                               tops | np.uint64(1 << (shift - 1))])
+                               tops | np.uint64(1 << (shift - 1)), tops | np.uint64(1)])
     x = patterns.astype(np.uint32).view(np.float32)
     assert x.size >= F._LUT_MIN_SIZE  # goes through the table
+    assert x.size > 2 * F._LUT_CHUNK and x.size % F._LUT_CHUNK != 0  # several chunks, the last one partial
     via_table = F.encode_codes(x, name, policy)
     direct = F._encode_codes_direct(x, f, policy, "nearest_ties_up")
     mismatch = np.flatnonzero(via_table != direct)
@@ -943,3 +945,162 @@ def test_bf16_bits_rne_matches_torch_and_ml_dtypes_exact():
     # hand-worked: 1 + 2^-8 is the tie between 1 and 1 + 2^-7 → even (1.0); 1 + 3·2^-8 → 1 + 2^-6 (even side up)
     assert bf16_bits_rne(np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)).tolist() == [0x3F80, 0x3F82]
     assert bf16_bits_rne(np.array([3.4028235e38], np.float32)).tolist() == [0x7F80]  # rounds past max → inf
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the quantizer's fast path (fp8rl.reference.quant: strip-wise numpy + the table encoder) against the plain
+# whole-tensor pipeline (torch ops on the expanded scale, then the direct bit-level encoder)
+# ----------------------------------------------------------------------------------------------------------
+
+def _plain_amax(x: torch.Tensor, g) -> torch.Tensor:
+    """max |x| per group by one torch reduction over the zero-padded tensor (padding with 0 cannot raise a max of
+    absolute values)."""
+    a = x.abs()
+    shape = tuple(x.shape)
+    if g.kind == "tensor":
+        return a.amax().reshape(1)
+    if g.kind in ("token", "channel"):
+        return a.amax(dim=-1, keepdim=True)
+    if g.kind == "group":
+        gs = g.size[1]
+        n = -(-shape[-1] // gs)
+        a = torch.nn.functional.pad(a, (0, n * gs - shape[-1]))
+        return a.reshape(*shape[:-1], n, gs).amax(dim=-1)
+    bm, bn = g.size
+    nm, nn = -(-shape[0] // bm), -(-shape[1] // bn)
+    a = torch.nn.functional.pad(a, (0, nn * bn - shape[1], 0, nm * bm - shape[0]))
+    return a.reshape(nm, bm, nn, bn).amax(dim=(1, 3))
+
+
+def _plain_quantize(x: torch.Tensor, g, policy, direct: bool = True):
+    """amax → scale → q = x ∘ expand(t) on whole tensors (torch), clamp, then the direct bit-level encoder (or, with
+    ``direct=False``, encode_codes, whose table test_lookup_table_path_equals_direct_encoder_exact proves equal to
+    it on every fp32 bit-pattern class)."""
+    from fp8rl.reference import quant as Q
+
+    amax = _plain_amax(x, g)
+    scale = Q.scale_from_amax(amax, policy)
+    if policy.quant_op == "div":
+        q = x / Q.expand_scale(scale, g, tuple(x.shape))
+    elif policy.quant_op == "mul_recip":
+        q = x * Q.expand_scale(1.0 / scale, g, tuple(x.shape))
+    else:
+        q = x * Q.expand_scale(Q.quant_multiplier_from_amax(amax, policy), g, tuple(x.shape))
+    if policy.clamp:
+        q = q.clamp(-policy.max_value, policy.max_value)
+    a = q.contiguous().numpy()
+    codes = (F._encode_codes_direct(a, F.get_format(policy.fmt), policy.overflow, "nearest_ties_up") if direct
+             else F.encode_codes(a, policy.fmt, policy.overflow))
+    return amax, scale, torch.from_numpy(codes).reshape(x.shape)
+
+
+def _nan_to_one_code(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Every NaN code as the format's canonical NaN: when both factors of x·m (or x/s) are NaN, which NaN — and so
+    which sign — comes out is the vector unit's (or compiler's) choice, not the pipeline's (QUANT-EDGE-003 compares
+    engines the same way)."""
+    canonical = np.where(np.isnan(F.decode_codes(np.arange(256), fmt)), F.FORMATS[fmt].nan_code, np.arange(256))
+    return torch.from_numpy(canonical.astype(np.uint8)[codes.numpy()])
+
+
+def _same_f32(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical fp32 tensors, any NaN equal to any NaN (torch's maximum makes all-ones NaNs, numpy keeps the
+    input's payload)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return bool(torch.equal(na, nb) and torch.equal(a[~na].view(torch.int32), b[~nb].view(torch.int32)))
+
+
+def _fast_path_inputs():
+    """(case id, x, granularity): shapes that span many strips per block row (the tests shrink the strip), uneven
+    edges, 1-D/3-D tensors, and special values (NaN, ±inf, -0, fp32 subnormals, huge, an all-zero block)."""
+    from fp8rl.reference.quant import Granularity
+
+    g = torch.Generator().manual_seed(20261201)
+    cases = []
+
+    def spiked(shape, scale=3.0):
+        x = torch.randn(*shape, generator=g) * scale
+        flat = x.view(-1)
+        n = flat.numel()
+        for i, v in enumerate((float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, -3e38, 448.0, 464.0)):
+            if n > 4 * i + 3:
+                flat[(4 * i + 3) * n // 37] = v
+        return x
+
+    grans = [Granularity.tensor(), Granularity.token(), Granularity.channel(), Granularity.group(128),
+             Granularity.group(48), Granularity.block(128), Granularity.block((64, 32))]
+    for shape in ((256, 256), (150, 260), (7, 130), (1, 5)):
+        x = spiked(shape)
+        if shape == (256, 256):
+            x[128:256, 0:128] = 0.0  # an all-zero block (and groups/rows that are partly zero)
+        for gr in grans:
+            cases.append((f"{shape}-{gr.label}", x, gr))
+    for shape in ((2, 3, 200), (5000,)):
+        x = spiked(shape, 0.5)
+        for gr in (Granularity.tensor(), Granularity.token(), Granularity.group(128), Granularity.group(48)):
+            cases.append((f"{shape}-{gr.label}", x, gr))
+    return cases
+
+
+_FAST_CASES = _fast_path_inputs()
+
+
+def _distinct_fp32_policies():
+    """One preset per distinct pipeline (every field but the name and description), fp32 arithmetic only
+    (compute_dtype="input" keeps the whole-tensor path)."""
+    import dataclasses
+
+    from fp8rl.reference.presets import PRESETS
+
+    seen = {}
+    for name, policy in PRESETS.items():
+        key = tuple((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy)
+                    if f.name not in ("name", "description"))
+        if getattr(policy, "compute_dtype", "fp32") == "fp32":
+            seen.setdefault(key, (name, policy))
+    return list(seen.values())
+
+
+def _check_fast_path(x, gr, policies, direct=True):
+    from fp8rl.reference.quant import compute_amax, quantize
+
+    assert _same_f32(compute_amax(x, gr), _plain_amax(x, gr))
+    bad = []
+    for name, policy in policies:
+        with np.errstate(all="ignore"):
+            qt = quantize(x, gr, policy)
+            _, scale, codes = _plain_quantize(x, gr, policy, direct)
+        if not _same_f32(qt.scale, scale):
+            bad.append(f"{name}: scale")
+        got, want = _nan_to_one_code(qt.codes, policy.fmt), _nan_to_one_code(codes, policy.fmt)
+        if not torch.equal(got, want):
+            where = torch.nonzero(got != want)[:3].tolist()
+            bad.append(f"{name}: {int((got != want).sum())} codes, e.g. at {where}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("case", range(len(_FAST_CASES)), ids=[c[0] for c in _FAST_CASES])
+def test_quantize_fast_path_equals_plain_pipeline_exact(case, monkeypatch):
+    """quantize (strip-wise numpy) equals the plain whole-tensor torch pipeline for every distinct preset: amax, scale
+    and codes bit for bit (a NaN's sign and payload aside, see _nan_to_one_code / _same_f32). Strips and table
+    chunks are shrunk to 4096 / 1000 elements so that these small inputs cross many strip, block-row and chunk
+    boundaries. Both sides encode through the table (fast; the table is the direct encoder by
+    test_lookup_table_path_equals_direct_encoder_exact, and the next test goes end to end against it)."""
+    from fp8rl.reference import quant as Q
+
+    monkeypatch.setattr(Q, "_STRIP_ELEMS", 1 << 12)
+    monkeypatch.setattr(F, "_LUT_CHUNK", 1000)
+    _, x, gr = _FAST_CASES[case]
+    _check_fast_path(x, gr, _distinct_fp32_policies(), direct=False)
+
+
+def test_quantize_fast_path_default_strips_512x4096_exact():
+    """End to end at the production strip and chunk sizes, on a weight-like input (four strips per 128-row block):
+    the fast path equals the whole-tensor pipeline with the direct bit-level encoder, for the default and the veRL
+    torch presets (what python -m fp8rl.perf.suite_speed times)."""
+    from fp8rl.reference.presets import get_policy
+    from fp8rl.reference.quant import Granularity
+
+    x = torch.randn(512, 4096, generator=torch.Generator().manual_seed(7)) * 0.02
+    x[3, 5] = float("nan")
+    x[200, 300] = float("inf")
+    _check_fast_path(x, Granularity.block(128), [(n, get_policy(n)) for n in ("reference", "verl_torch")])

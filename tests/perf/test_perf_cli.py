@@ -218,7 +218,7 @@ def test_gpu_check_force_cpu_writes_gate_readable_json(tmp_path, capsys):
 
     out = tmp_path / "gc"
     assert gpu_check.main(["--force-cpu", "--shapes", "tiny", "--repeats", "3", "--iters", "1", "--warmup", "0",
-                           "--out", str(out)]) == 0
+                           "--skip-probe", "--out", str(out)]) == 0
     res = load_result(out / "gemm.json")
     assert res["kind"] == "gemm" and res["metric"] == "tflops" and "fp8-row" in res["configs"]
     summary = json.loads((out / "gpu_check.json").read_text())
@@ -247,3 +247,12 @@ def test_suite_speed_runs_and_oracle_matches_verl_bit_for_bit(capsys):
     x[:128, :128] = 0  # an all-zero block: veRL's torch path gives scale 1
     q, s = suite_speed.verl_style_blockwise(x)
     assert q.shape == x.shape and s.shape == (2, 3) and s[0, 0] == 1.0
+
+
+@pytest.mark.parametrize("argv, name", [(["--repeats", "0"], "--repeats"), (["--size", "0"], "--size")])
+def test_suite_speed_bad_arguments_name_themselves(argv, name, capsys):
+    from fp8rl.perf import suite_speed
+
+    with pytest.raises(SystemExit) as exc:
+        suite_speed.main(argv)
+    assert exc.value.code == 2 and name in capsys.readouterr().err
