@@ -4,7 +4,10 @@ For the tiny dense and MoE fixtures (BF16, HF checkpoint names), the engine's ``
 codes + ``*_weight_scale_inv`` fp32 dequant scales (128×128 blocks, ceil-div shapes) for every attention/MLP/expert
 projection — bit-exact vs the oracle under the engine's declared ``scale_policy("block")`` — and must keep the
 embeddings, ``lm_head``, every norm and the MoE router in BF16, untouched. The dense fixture has hidden size 320:
-every projection has a partial edge block and several have non-square scale grids.
+every projection has a partial edge block and several have non-square scale grids; ``tiny-qwen3-tied-odd`` has no
+projection dimension that is a multiple of 128 and tied embeddings; ``tiny-qwen2-moe`` has a shared expert (its
+projections are quantized) with a shared-expert gate and q/k/v biases (kept BF16). The trainer's fp32 master weights
+must sync bit for bit like their BF16 cast.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ KEEP_BF16 = {
     r"(^|\.)lm_head\.weight$": "lm_head (its logits feed sampling directly)",
     r"norm\.weight$": "norms (RMSNorm, QK-norm)",
     r"(^|\.)mlp\.gate\.weight$": "the MoE router mlp.gate",
+    r"(^|\.)mlp\.shared_expert_gate\.weight$": "the shared-expert gate mlp.shared_expert_gate (router-like)",
+    r"\.bias$": "biases (q/k/v)",
 }
 
 
@@ -94,9 +99,9 @@ def test_weight_sync_names_and_shapes(engine, model):
 
 
 @MODELS
-@check("WSYNC-EXCL-001", "Embeddings, lm_head, every norm (incl. QK-norm) and the MoE router mlp.gate are "
-       "shipped unchanged in BF16 (bit-identical to the trainer's weights) and get no scale: quantizing the "
-       "router or lm_head fails.", requires=["weight_sync"])
+@check("WSYNC-EXCL-001", "Embeddings, lm_head, every norm (incl. QK-norm), biases, the MoE router mlp.gate and the "
+       "shared-expert gate are shipped unchanged in BF16 (bit-identical to the trainer's weights) and get no scale: "
+       "quantizing the router, the shared-expert gate or lm_head fails.", requires=["weight_sync"])
 def test_weight_sync_keeps_bf16(engine, model):
     sd = fixtures.tiny_model(model).state_dict
     got = _synced(engine, model)
@@ -134,3 +139,29 @@ def test_weight_sync_dequant_bound(engine, model):
         scale_full = qt.expanded_scale()
         bound = tolerances.quant_roundtrip_bound(x.abs(), scale_full, qt.fmt)
         assert_within_bound(qt.dequantize(torch.float64), x, bound, context=f"{model}: {name} ({g.label})")
+
+
+@MODELS
+@check("WSYNC-MASTER-001", "The trainer's fp32 master weights sync exactly like their BF16 cast: weight_sync of the "
+       "fp32 state dict equals weight_sync of its round-to-nearest-even BF16 cast bit for bit (names, dtypes, "
+       "shapes, FP8 codes, scales and the BF16 tensors kept as they are), so the rollout runs the policy the "
+       "trainer's BF16 forward computes.", requires=["weight_sync"])
+def test_weight_sync_fp32_master_exact(engine, model):
+    master = fixtures.master_state_dict(model)
+    got = engine.weight_sync({k: v.clone() for k, v in master.items()})
+    want = engine.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    assert not missing and not extra, f"{model}: fp32 sync names differ from the BF16 cast's: missing " \
+        f"{missing[:6]}, unexpected {extra[:6]}"
+    bad = []
+    for name, w in want.items():
+        g = got[name]
+        if g.dtype != w.dtype or g.shape != w.shape:
+            bad.append(f"{name}: {g.dtype} {tuple(g.shape)}, the BF16 cast's sync gives {w.dtype} {tuple(w.shape)}")
+            continue
+        gb, wb = g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+        if not torch.equal(gb, wb):
+            n = int((gb.reshape(w.numel(), -1) != wb.reshape(w.numel(), -1)).any(-1).sum()) if w.numel() else 0
+            bad.append(f"{name}: {n}/{w.numel()} elements differ")
+    assert not bad, f"{model}: {len(bad)} tensors of the fp32 master sync differ from the BF16 cast's: " + \
+        "; ".join(bad[:6])

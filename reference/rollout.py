@@ -226,24 +226,31 @@ class _ActQuant:
         return fake_quant(x2d.float(), self.g, self.policy)
 
 
-def _fp8_matmul(x: torch.Tensor, w64: torch.Tensor, act: _ActQuant) -> torch.Tensor:
+def _fp8_matmul(x: torch.Tensor, w64: torch.Tensor, act: _ActQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
     shp = x.shape
     y = act(x.reshape(-1, shp[-1])) @ w64.t()
+    if bias is not None:
+        y = y + bias.to(torch.float64)
     return y.to(x.dtype).reshape(*shp[:-1], w64.shape[0])
 
 
 class FP8Linear(nn.Module):
-    """W8A8 blockwise linear: exact dequantized FP8 weight (fp64), dynamic 1×G activations, fp64 product → BF16."""
+    """W8A8 blockwise linear: exact dequantized FP8 weight (fp64), dynamic 1×G activations, fp64 product → BF16.
+
+    ``bias`` (e.g. Qwen2's q/k/v biases, kept BF16 by weight sync): added to the exact fp64 product before the one
+    rounding to BF16, as a GEMM epilogue does."""
 
     w64: torch.Tensor
+    bias: torch.Tensor | None
 
-    def __init__(self, w64: torch.Tensor, act: _ActQuant) -> None:
+    def __init__(self, w64: torch.Tensor, act: _ActQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("w64", w64, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _fp8_matmul(x, self.w64, self.act)
+        return _fp8_matmul(x, self.w64, self.act, self.bias)
 
 
 class FP8Experts(nn.Module):

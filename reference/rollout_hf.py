@@ -150,6 +150,16 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _tied_names(model: nn.Module, missing: list[str]) -> set[str]:
+    """The ``missing`` parameter names that are tied to a loaded parameter (``tie_word_embeddings``: ``lm_head.weight``
+    is ``model.embed_tokens.weight``, which the checkpoint holds once)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    miss = set(missing)
+    return {n for names in by_id.values() if any(m not in miss for m in names) for n in names if n in miss}
+
+
 def _get_module(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path)
 
@@ -207,7 +217,8 @@ class RolloutPolicy:
     * ``act_policy``: ScalePolicy of the dynamic activation quantization (1×128 groups, or per token for PTPC);
     * ``experts_implementation``: the transformers expert kernel for BF16 experts (``"eager"``: the reference loop);
     * ``memo``: share :meth:`generate` results between policies with identical weights, numerics and KV scales
-      (content-keyed, process-wide; generation is deterministic). The reference engine turns it on so that the
+      (content-keyed, process-wide, per policy class: a subclass with another :meth:`decode_step` never shares;
+      generation is deterministic). The reference engine turns it on so that the
       many engines of a mutants run do not recompute identical rollouts.
     """
 
@@ -253,14 +264,14 @@ class RolloutPolicy:
             plain = {k: v for k, v in synced.items() if k not in qts and k not in scale_names}
         else:
             qts, plain = {}, dict(state_dict)
-        self._fingerprint = (r, self.weight_block, self.act_policy, self.experts_implementation,
+        self._fingerprint = (type(self).__module__, type(self).__qualname__, r, self.weight_block, self.act_policy, self.experts_implementation,
                              self.weight_policy, _digest(synced if r.synced_weights else state_dict),
                              _digest(self.config))
         params = to_model_state_dict(plain)
         missing, unexpected = model.load_state_dict(params, strict=False)
         if unexpected:
             raise ValueError(f"state_dict: names the model does not have: {unexpected[:5]}")
-        covered = self._install_fp8(model, qts)
+        covered = self._install_fp8(model, qts) | _tied_names(model, missing)
         left = [m for m in missing if m not in covered]
         if left:
             raise ValueError(f"state_dict: missing weights {left[:5]}")
@@ -283,10 +294,8 @@ class RolloutPolicy:
                 continue
             path = name[: -len(".weight")] if name.endswith(".weight") else name
             mod = _get_module(model, path)
-            if isinstance(mod, nn.Linear):
-                if mod.bias is not None:
-                    raise ValueError(f"{path}: FP8 linear with bias is not emulated")
-                _set_module(model, path, FP8Linear(w64, act))
+            if isinstance(mod, nn.Linear):  # attention/MLP/shared-expert projections (a bias stays BF16)
+                _set_module(model, path, FP8Linear(w64, act, mod.bias))
             elif hasattr(mod, "top_k") and hasattr(mod, "weight"):  # MoE router
                 _set_module(model, path, FP8Router(mod, w64, act))
             elif isinstance(mod, nn.Embedding):  # weight-only: a lookup has no activation to quantize
@@ -359,13 +368,23 @@ class RolloutPolicy:
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool = True, seed: int = 0,
                  ) -> RolloutOutput:
         """Fixed-length rollouts (EOS ignored): greedy (argmax) or sampled at temperature 1 with a seeded
-        ``torch.Generator``; prefill then incremental decoding with the (FP8 or BF16) KV cache."""
+        ``torch.Generator`` (one generator for the batch: its rows are independent draws); prefill then incremental
+        decoding with the (FP8 or BF16) KV cache. Each step is :meth:`decode_step`."""
+        tokens, logprobs, _ = self.generate_with_logits(prompts, max_new_tokens, greedy=greedy, seed=seed)
+        return RolloutOutput(tokens, logprobs)
+
+    @torch.inference_mode()
+    def generate_with_logits(self, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
+                             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`generate` (the same tokens and log-probs) plus the fp32 logits (B, N, V) each generated token was
+        drawn from (greedy: the argmax of)."""
         prompts = _as_tokens(prompts, "prompts")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected ≥ 1, got {max_new_tokens}")
         if not self.memo:
             with single_thread():
-                return self._generate(prompts, max_new_tokens, greedy, seed)
+                out = self._generate(prompts, max_new_tokens, greedy, seed)
+            return out
         key = (self._fingerprint, self._kv_snapshot(), tuple(prompts.shape), prompts.numpy().tobytes(),
                int(max_new_tokens), bool(greedy), int(seed) if not greedy else 0)
         hit = _GENERATE_MEMO.get(key)
@@ -378,25 +397,39 @@ class RolloutPolicy:
             _GENERATE_MEMO[key] = hit
         elif self.kv is not None:  # replay the calibration side effect
             self.kv.scales = {k: dict(v) for k, v in hit[1].items()}
-        return RolloutOutput(hit[0].tokens.clone(), hit[0].logprobs.clone())
+        tokens, logprobs, logits = hit[0]
+        return tokens.clone(), logprobs.clone(), logits.clone()
 
     def _kv_snapshot(self) -> tuple:
         return tuple(sorted((k, tuple(sorted(v.items()))) for k, v in self.kv.scales.items())) if self.kv else ()
 
-    def _generate(self, prompts: torch.Tensor, max_new_tokens: int, greedy: bool, seed: int) -> RolloutOutput:
+    def decode_step(self, logits: torch.Tensor, greedy: bool, generator: torch.Generator,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoding step from the last position's logits (B, V) (BF16 from the model): returns the next tokens
+        (B,) int64, their log-probs (B,) and the fp32 logits (B, V) they were drawn from. The log-probs are
+        ``log_softmax`` of the fp32 logits; greedy takes the first maximal token (``torch.argmax``), sampling draws
+        from ``softmax`` at temperature 1 (``torch.multinomial`` with ``generator``: rows independent)."""
+        x = logits.float()
+        lp = torch.log_softmax(x, dim=-1)
+        nxt = lp.argmax(-1) if greedy else torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+        return nxt, lp.gather(-1, nxt[:, None]).squeeze(-1), x
+
+    def _generate(self, prompts: torch.Tensor, max_new_tokens: int, greedy: bool, seed: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(int(seed))
         cache = self._cache()
         kw = self._cache_kw
         logits = self.model(input_ids=prompts, **{kw: cache}, use_cache=True).logits[:, -1]
-        toks, lps = [], []
+        toks, lps, xs = [], [], []
         for t in range(max_new_tokens):
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            nxt = lp.argmax(-1) if greedy else torch.multinomial(lp.exp(), 1, generator=gen).squeeze(-1)
+            nxt, lp, x = self.decode_step(logits, greedy, gen)
             toks.append(nxt)
-            lps.append(lp.gather(-1, nxt[:, None]).squeeze(-1))
+            lps.append(lp)
+            xs.append(x)
             if t + 1 < max_new_tokens:
                 logits = self.model(input_ids=nxt[:, None], **{kw: cache}, use_cache=True).logits[:, -1]
-        return RolloutOutput(torch.cat([prompts, torch.stack(toks, 1)], 1), torch.stack(lps, 1).float())
+        return (torch.cat([prompts, torch.stack(toks, 1)], 1), torch.stack(lps, 1).float(),
+                torch.stack(xs, 1).float())
 
     @torch.inference_mode()
     def greedy_full(self, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -409,7 +442,7 @@ class RolloutPolicy:
         return tokens
 
 
-_GENERATE_MEMO: dict[tuple, tuple[RolloutOutput, dict[int, dict[str, float]]]] = {}
+_GENERATE_MEMO: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[int, dict[str, float]]]] = {}
 
 
 def _digest(obj: Any) -> str:

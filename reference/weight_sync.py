@@ -8,14 +8,17 @@ weight is quantized on the fly with 128×128 blocks and the engine receives ``(n
 
 What is quantized (docs/paper-numbers.md §1.3, verl ``FP8QuantizerHelper``, vLLM ``is_fp8_weight``): 2-D ``.weight`` tensors of the
 attention projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``, the MLP ``gate_proj``/``up_proj``/``down_proj``
-and the same projections of every MoE expert (``mlp.experts.<e>.*``). What stays BF16 by default: the embeddings,
-``lm_head``, every norm (RMSNorm, QK-norm) and the MoE router ``mlp.gate`` (verl #5107; the paper's router ablation
-shows the largest mismatch when the router is quantized). Patterns are regular expressions matched with
+and the same projections of every MoE expert (``mlp.experts.<e>.*``) and of a shared expert
+(``mlp.shared_expert.*``, Qwen2-MoE / DeepSeek-MoE). What stays BF16 by default: the embeddings, ``lm_head``, every
+norm (RMSNorm, QK-norm), every bias (1-D), the MoE router ``mlp.gate`` (verl #5107; the paper's router ablation
+shows the largest mismatch when the router is quantized) and the shared-expert gate ``mlp.shared_expert_gate`` (a
+1 × hidden sigmoid gate: a router-like scalar per token). Patterns are regular expressions matched with
 ``re.search`` against the parameter name; ``exclude`` wins over ``include``.
 
 The quantizer is the oracle's :func:`fp8rl.reference.quant.quantize` with ``Granularity.block(128)`` under a
 :class:`~fp8rl.reference.policy.ScalePolicy` (verl's Triton path is the ``verl_triton`` preset of
-:data:`fp8rl.reference.presets.PRESETS`, its PyTorch path ``verl_torch``). Weights are cast to BF16 first, as verl casts to the engine dtype before quantizing.
+:data:`fp8rl.reference.presets.PRESETS`, its PyTorch path ``verl_torch``). Weights are cast to BF16 first, as verl casts to the engine dtype before quantizing: the trainer's fp32 master
+weights sync exactly like their BF16 cast.
 """
 
 from __future__ import annotations
@@ -148,15 +151,17 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], recipe: WeightSy
                         ) -> dict[str, torch.Tensor]:
     """The tensors weight sync ships: FP8 codes + ``*_weight_scale_inv`` for eligible weights, the rest as given.
 
-    * ``state_dict``: checkpoint-named tensors (any float dtype; cast to ``recipe.cast_dtype`` before quantizing).
+    * ``state_dict``: checkpoint-named tensors in any float dtype — BF16 weights, or the trainer's fp32 master
+      weights: every floating tensor is cast to ``recipe.cast_dtype`` (BF16) first, the quantized ones before
+      quantizing, so an fp32 state dict syncs bit for bit like its BF16 cast.
     * ``recipe``: :class:`WeightSyncRecipe` (default: 128×128 blocks, the ``reference`` policy, default filters);
       ``exclude``/``include``/``policy`` override its fields.
     * ``quantize_fn(x, granularity) → QuantizedTensor``: the block quantizer (default: the oracle under
       ``recipe.policy``); engines pass their own to reuse the rest of the pipeline.
 
     Returns a new dict in input order: ``name`` → FP8 tensor (``torch.float8_e4m3fn`` for e4m3fn) of the weight's
-    shape and ``name + "_scale_inv"`` → fp32 (⌈N/Bn⌉, ⌈K/Bk⌉), right after it; every other tensor unchanged (not
-    copied).
+    shape and ``name + "_scale_inv"`` → fp32 (⌈N/Bn⌉, ⌈K/Bk⌉), right after it; every other tensor in
+    ``recipe.cast_dtype`` (the input tensor itself, not a copy, when it already has that dtype).
     """
     r = _recipe(recipe, exclude, include, policy)
     g = r.granularity
@@ -166,7 +171,7 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], recipe: WeightSy
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
         if not is_quantized_name(name, tuple(t.shape), r):
-            out[name] = t
+            out[name] = t.to(r.cast_dtype) if t.is_floating_point() and t.dtype != r.cast_dtype else t
             continue
         qt = qfn(t.detach().to("cpu", r.cast_dtype), g)
         if not isinstance(qt, QuantizedTensor):
@@ -222,12 +227,14 @@ def dequantize_state_dict(synced: Mapping[str, torch.Tensor], block: tuple[int, 
 
 def ignored_layers(state_dict: Mapping[str, torch.Tensor], recipe: WeightSyncRecipe | None = None) -> list[str]:
     """Module names of 2-D linear-like weights that weight sync keeps in BF16 although an engine building FP8 layers
-    from the config would quantize them: the MoE routers (verl passes ``model.layers.<i>.mlp.gate`` as
-    ``ignored_layers``). Embeddings and lm_head are never FP8 layers in vLLM/SGLang, norms are not linear."""
+    from the config could quantize them: the MoE routers (verl passes ``model.layers.<i>.mlp.gate`` as
+    ``ignored_layers``) and the shared-expert gates (``mlp.shared_expert_gate``, Qwen2-MoE). Embeddings and lm_head
+    are never FP8 layers in vLLM/SGLang, norms are not linear."""
     r = recipe or WeightSyncRecipe()
     out = []
     for name, t in state_dict.items():
-        if t.dim() == 2 and name.endswith(".weight") and re.search(r"(^|\.)mlp\.gate\.weight$", name) and \
+        if t.dim() == 2 and name.endswith(".weight") and \
+                re.search(r"(^|\.)mlp\.(gate|shared_expert_gate)\.weight$", name) and \
                 not is_quantized_name(name, tuple(t.shape), r):
             out.append(name[: -len(".weight")])
     return out

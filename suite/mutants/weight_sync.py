@@ -44,3 +44,37 @@ class SyncBlockGridTransposed(ReferenceEngine):
             if k.endswith("_scale_inv") and v.dim() == 2 and v.shape[0] != v.shape[1]:
                 out[k] = v.t().contiguous().reshape(v.shape)
         return out
+
+
+@mutant("wsync-fp32-direct", "weight sync quantizes the trainer's fp32 master weights directly instead of casting "
+        "them to BF16 first (block amax and rounding taken from the fp32 values; the rest still shipped in BF16)",
+        kills=("WSYNC-MASTER-001",))
+class SyncFP32Direct(ReferenceEngine):
+    def weight_sync(self, state_dict):
+        import torch
+        from fp8rl.reference import weight_sync as ws
+
+        out = ws.quantize_state_dict(state_dict, self._weight_sync_recipe().with_(cast_dtype=torch.float32))
+        return {k: v.to(torch.bfloat16) if v.dtype == torch.float32 and not k.endswith(ws.SCALE_SUFFIX) else v
+                for k, v in out.items()}
+
+
+@mutant("wsync-shared-gate-quantized", "weight sync quantizes the shared-expert gate mlp.shared_expert_gate (a "
+        "name filter that takes every 2-D 'mlp' weight but the router: it must stay BF16)",
+        kills=("WSYNC-EXCL-001", "WSYNC-NAMES-001"))
+class SharedGateQuantized(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(exclude=tuple(p for p in r.exclude if "shared_expert_gate" not in p),
+                       include=r.include + (r"(^|\.)mlp\.shared_expert_gate\.weight$",))
+
+
+@mutant("wsync-shared-expert-skipped", "weight sync's name filter knows the dense MLP and the routed experts only "
+        "(mlp.(gate|up|down)_proj, mlp.experts.<e>.*): the shared expert's projections ship in BF16 and the rollout "
+        "runs them unquantized", kills=("WSYNC-EXACT-001", "WSYNC-NAMES-001"))
+class SharedExpertSkipped(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(include=(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$",
+                                r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$",
+                                r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"))

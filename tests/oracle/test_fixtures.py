@@ -15,7 +15,8 @@ def test_manifest_lists_every_shipped_file_with_its_sha256():
     files = F.load_manifest()["files"]
     for must in ("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "tokenizer/corpus.txt",
                  "prompts.json", "tiny_models.json", "models/tiny-qwen3/config.json",
-                 "models/tiny-qwen3-moe/config.json", "published/Qwen3-8B/config.json",
+                 "models/tiny-qwen3-moe/config.json", "models/tiny-qwen2-moe/config.json",
+                 "models/tiny-qwen3-tied-odd/config.json", "published/Qwen3-8B/config.json",
                  "published/Qwen3-30B-A3B/config.json"):
         assert must in files, must
 
@@ -81,6 +82,9 @@ def test_tiny_configs_build_the_transformers_model_with_the_checkpoint_names(nam
     model = build_hf_model(m.config)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in to_model_state_dict(m.state_dict).items()}
+    if m.config.get("tie_word_embeddings"):  # the checkpoint holds the tied lm_head once, as embed_tokens
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        want.pop("lm_head.weight")
     assert got == want
     assert all(t.dtype == torch.bfloat16 for t in m.state_dict.values())
     assert type(model).__name__ == m.config["architectures"][0]
@@ -102,6 +106,43 @@ def test_tiny_dims_exercise_edge_blocks_groups_and_non_square_grids():
 
     aligned = [moe.state_dict[n].shape for n in quantized_names(moe.state_dict)]
     assert all(d % 128 == 0 for s in aligned for d in s)  # the aligned case
+
+
+def test_architecture_variant_fixtures():
+    """Shared expert + gate, q/k/v biases, no QK-norm (tiny-qwen2-moe); tied embeddings and no projection dimension
+    a multiple of 128, merged q/k/v and gate/up included (tiny-qwen3-tied-odd)."""
+    q2 = F.tiny_model("tiny-qwen2-moe").state_dict
+    p = "model.layers.0."
+    assert q2[p + "mlp.shared_expert_gate.weight"].shape == (1, 256)
+    assert q2[p + "mlp.shared_expert.down_proj.weight"].shape == (256, 256)
+    assert q2[p + "self_attn.q_proj.bias"].shape == (256,) and q2[p + "self_attn.k_proj.bias"].shape == (128,)
+    assert not any("q_norm" in n or "k_norm" in n for n in q2)
+    odd = F.tiny_model("tiny-qwen3-tied-odd")
+    assert odd.config["tie_word_embeddings"] and "lm_head.weight" not in odd.state_dict
+    shapes = [tuple(t.shape) for n, t in odd.state_dict.items() if n.startswith(p) and t.dim() == 2]
+    assert len(shapes) == 7 and all(d % 128 for s in shapes for d in s)
+    qkv = sum(odd.state_dict[p + f"self_attn.{w}_proj.weight"].shape[0] for w in "qkv")
+    gate_up = 2 * odd.state_dict[p + "mlp.gate_proj.weight"].shape[0]
+    assert qkv % 128 and gate_up % 128 and "model.layers.0.self_attn.q_norm.weight" in odd.state_dict
+
+
+def test_master_weights_are_fp32_and_the_fixture_is_their_bf16_cast_exact():
+    for name in F.TINY_MODELS:
+        for variant in ("base", "update"):
+            master, sd = F.master_state_dict(name, variant), F.tiny_model(name, variant).state_dict
+            assert set(master) == set(sd) and all(t.dtype == torch.float32 for t in master.values())
+            assert all(torch.equal(master[k].to(torch.bfloat16).view(torch.int16), sd[k].view(torch.int16))
+                       for k in sd), (name, variant)
+            assert any(not torch.equal(master[k], sd[k].float()) for k in sd)  # fp32 carries more bits
+
+
+def test_update_without_qk_norm_grows_k_and_v_through_the_projections():
+    base, upd = F.tiny_model("tiny-qwen2-moe").state_dict, F.tiny_model("tiny-qwen2-moe", "update").state_dict
+    k = "model.layers.0.self_attn."
+    for b in ("k_proj.bias", "v_proj.bias"):
+        torch.testing.assert_close(upd[k + b].float(), base[k + b].float() * 8, rtol=1e-2, atol=0)
+    torch.testing.assert_close(upd[k + "q_proj.bias"].float(), base[k + "q_proj.bias"].float() / 8, rtol=1e-2,
+                               atol=0)
 
 
 def test_update_variant_grows_k_and_v_and_changes_every_projection():

@@ -275,3 +275,74 @@ def test_ptpc_recipe_quantizes_weights_per_channel_and_activations_per_token(den
     lin = R.FP8Linear(wq.dequantize(torch.float64), R._ActQuant(get_policy("reference"), Granularity.token()))
     exact = block_gemm_exact(quantize(x, Granularity.token(), "reference"), wq).to(torch.bfloat16)
     assert (lin(x).float() - exact.float()).abs().max() <= exact.float().abs().max() * 2**-8
+
+
+def test_generate_with_logits_reports_the_rows_it_drew_from(trainer):
+    """generate_with_logits: the tokens and log-probs of generate, bit for bit, plus fp32 logits whose log-softmax
+    at each token is the reported log-prob and whose argmax is each greedy token."""
+    p = F.prompt_ids(3)
+    for greedy in (True, False):
+        tok, lp, logits = trainer.generate_with_logits(p, 5, greedy=greedy, seed=3)
+        out = trainer.generate(p, 5, greedy=greedy, seed=3)
+        assert torch.equal(tok, out.tokens) and torch.equal(lp, out.logprobs)
+        assert logits.shape == (3, 5, 512) and logits.dtype == torch.float32
+        new = tok[:, 12:]
+        want = torch.log_softmax(logits.double(), -1).gather(-1, new[..., None]).squeeze(-1)
+        assert float((lp.double() - want).abs().max()) < 1e-5
+        if greedy:
+            assert torch.equal(new, logits.argmax(-1))
+
+
+def test_decode_step_is_the_policy_hook_and_memo_is_per_class(dense):
+    """A subclass's decode_step is what generate runs; memoized results are never shared across policy classes."""
+
+    class Last(H.RolloutPolicy):
+        def decode_step(self, logits, greedy, generator):
+            nxt, lp, x = super().decode_step(logits, greedy, generator)
+            return torch.full_like(nxt, 7), lp, x
+
+    p = F.prompt_ids(2)
+    base = H.RolloutPolicy(dense.config, dense.state_dict, "bf16", memo=True)
+    other = Last(dense.config, dense.state_dict, "bf16", memo=True)
+    assert not bool((base.generate(p, 3).tokens[:, 12:] == 7).all())
+    assert bool((other.generate(p, 3).tokens[:, 12:] == 7).all())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-tied-odd"])
+def test_architecture_variants_run_every_recipe(name):
+    """Shared expert + gate, q/k/v biases and no QK-norm (Qwen2-MoE); tied embeddings and dimensions that are not
+    multiples of 128 (tiny-qwen3-tied-odd): the FP8 modules replace exactly the synced projections (the shared
+    expert's included, biases kept), the tied lm_head stays the BF16 embedding, and the FP8 recipes move the
+    policy while BF16 incremental decoding stays close to the trainer."""
+    m = F.tiny_model(name)
+    p = F.prompt_ids(2)
+    trainer = H.RolloutPolicy(m.config, m.state_dict, "bf16")
+    fp8 = H.RolloutPolicy(m.config, m.state_dict, "fp8-all")
+    linears = {n for n, mod in fp8.model.named_modules() if isinstance(mod, R.FP8Linear)}
+    want = {n[: -len(".weight")] for n in ws.quantized_names(m.state_dict) if ".mlp.experts." not in n}
+    assert linears == want
+    if name == "tiny-qwen2-moe":
+        lin = fp8.model.get_submodule("model.layers.0.self_attn.q_proj")
+        assert lin.bias is not None and torch.equal(lin.bias, m.state_dict["model.layers.0.self_attn.q_proj.bias"])
+        assert "model.layers.0.mlp.shared_expert.down_proj" in linears
+        assert type(fp8.model.get_submodule("model.layers.0.mlp.shared_expert_gate")).__name__ == "Linear"
+    else:
+        assert fp8.model.lm_head.weight is fp8.model.model.embed_tokens.weight
+        assert torch.equal(fp8.model.lm_head.weight, m.state_dict["model.embed_tokens.weight"])
+    out = fp8.generate(p, 4, greedy=False, seed=1)
+    d8 = (out.logprobs - trainer.score(out.tokens, 12)).abs().mean()
+    b = trainer.generate(p, 4, greedy=False, seed=1)
+    d16 = (b.logprobs - trainer.score(b.tokens, 12)).abs().mean()
+    assert float(d16) < float(d8) and float(d8) > 1e-3
+
+
+def test_fp8_linear_adds_the_bias_before_the_one_bf16_rounding():
+    torch.manual_seed(0)
+    w = torch.randn(40, 200).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    qt = quantize(w, Granularity.block(128), "reference")
+    act = R._ActQuant(get_policy("reference"), 128)
+    x = torch.randn(3, 200).to(torch.bfloat16)
+    got = R.FP8Linear(qt.dequantize(torch.float64), act, bias)(x)
+    want = (act(x) @ qt.dequantize(torch.float64).t() + bias.double()).to(torch.bfloat16)
+    assert torch.equal(got, want)

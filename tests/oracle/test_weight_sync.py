@@ -89,6 +89,35 @@ def test_fp32_master_weights_are_cast_to_bf16_first():
     assert torch.equal(out["a.q_proj.weight"].view(torch.uint8), ref.codes)
 
 
+def test_fp32_master_state_dict_syncs_like_its_bf16_cast_exact():
+    """Every tensor, quantized or kept, of an fp32 master state dict syncs bit for bit like its BF16 cast; the kept
+    ones are shipped in BF16."""
+    for name in F.TINY_MODELS:
+        master = F.master_state_dict(name)
+        a = ws.quantize_state_dict(master)
+        b = ws.quantize_state_dict({k: v.to(torch.bfloat16) for k, v in master.items()})
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+        assert {t.dtype for k, t in a.items() if k not in ws.quantized_names(master) and
+                not k.endswith(ws.SCALE_SUFFIX)} == {torch.bfloat16}
+
+
+def test_shared_expert_projections_are_quantized_and_its_gate_and_biases_kept():
+    m = F.tiny_model("tiny-qwen2-moe")
+    names = set(ws.quantized_names(m.state_dict))
+    p = "model.layers.0.mlp."
+    assert {p + f"shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")} <= names
+    assert p + "shared_expert_gate.weight" not in names and p + "gate.weight" not in names
+    assert not any(n.endswith(".bias") for n in names)
+    assert len(names) == 2 * (4 + 8 * 3 + 3)
+    assert ws.ignored_layers(m.state_dict) == [f"model.layers.{i}.mlp.{g}" for i in (0, 1)
+                                               for g in ("gate", "shared_expert_gate")]
+    synced = ws.quantize_state_dict(m.state_dict)
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    assert synced[bias] is m.state_dict[bias] and ws.scale_name(bias) not in synced
+
+
 def test_quantize_fn_hook_receives_every_weight(dense):
     seen = []
 
