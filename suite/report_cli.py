@@ -6,6 +6,10 @@ and is now missing), 0 otherwise: the regression gate of an upgrade.
 
 ``fp8rl report compare REPORT... [--unavailable NAME] [--out DIR]`` renders one engine × correction-option table
 (:mod:`fp8rl.reports.compare`) as compare.md and a self-contained compare.html; ``--area all`` keeps every check.
+
+``fp8rl report merge REPORT... --out DIR`` puts many report.json files (engines, versions, machines; a directory is
+searched for them) into one engine × check matrix (:mod:`fp8rl.reports.merge`): merge.json and a self-contained
+merge.html, the checks whose outcome differs between reports first.
 """
 
 from __future__ import annotations
@@ -86,6 +90,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from fp8rl.reports import merge as M
+
+    try:
+        merged = M.load_and_merge(args.reports)
+    except M.MergeError as exc:
+        print(f"fp8rl report merge: {exc}")
+        return EXIT_USAGE
+    try:
+        written = M.write(merged, args.out)
+    except OSError as exc:
+        print(f"fp8rl report merge: --out {args.out}: {exc}")
+        return EXIT_USAGE
+    print("\n".join(M.summary_lines(merged)))
+    print(f"written: {written[0]}, {written[1]}")
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="compare report.json files of earlier runs")
     rsub = r.add_subparsers(dest="report_command", required=True)
@@ -102,3 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--area", default="correction", help="the area whose checks are rows ('all': every check)")
     c.add_argument("--out", default="fp8rl-compare", help="directory for compare.md / compare.html")
     c.set_defaults(func=cmd_compare)
+    m = rsub.add_parser("merge", help="one engine × check matrix from many reports (engines, versions, machines); "
+                                      "writes merge.json and merge.html")
+    m.add_argument("reports", nargs="+", help="report.json files, run directories, or folders searched for them")
+    m.add_argument("--out", default="fp8rl-merge", help="directory for merge.json / merge.html")
+    m.set_defaults(func=cmd_merge)
