@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 from fp8rl import tolerances
-from fp8rl.checks import assert_within_bound, check, record_metrics
+from fp8rl.checks import assert_within_bound, check, record_metrics, require
 from fp8rl.engine import EngineError
+from fp8rl.inputspace import layout_class as S_layout
+from fp8rl.inputspace import with_layout
 from fp8rl.reference import correction as C
 from fp8rl.strategies_correction import (
     Batch,
@@ -33,6 +35,8 @@ from fp8rl.strategies_correction import (
 )
 from hypothesis import Phase, assume, example, given, settings
 from hypothesis import strategies as st
+
+from . import _space as S
 
 CAP = "rollout_correction"
 #: screen of the batch-normalization checks (a choice, see its derivation)
@@ -984,3 +988,69 @@ def test_decoupled_ppo_loss(engine):
                                 context=f"{ctx}: loss")
             gmag = float(r_grad.abs().max()) * LOSS_HEADROOM
             assert_within_bound(g_grad, r_grad, tolerances.corr_loss_bound(gmag, n, L), context=f"{ctx}: ∂loss/∂logp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the input space of rollout_correction (fp8rl.inputspace)
+
+_SPACE_CLASSES = S.classes("rollout_correction")
+_SPACE_DTYPE = {"dtype.logp=bf16": torch.bfloat16}
+
+
+def _space_case(cls: str, seed: int) -> tuple[Batch, C.CorrectionConfig]:
+    """A batch and config of class ``cls`` (everything else: fp32, contiguous, finite padding, token TIS U = 2)."""
+    axis, _, value = cls.partition("=")
+    pad = "nonfinite" if axis.startswith("special.masked") else "finite"
+    b = make_batch(seed, 6, 12, pad=pad, empty_rows=False)
+    lo, lr, mask = b.train_logp, b.rollout_logp, b.mask
+    if axis.startswith("special.masked"):  # the named value in every masked slot of the named operand
+        t = lo if axis.endswith("train") else lr
+        fill = float("nan") if value == "nan" else float("-inf")
+        t = torch.where(mask == 0, torch.full_like(t, fill), t)
+        lo, lr = (t, lr) if axis.endswith("train") else (lo, t)
+    if cls == "special.mask=empty-row":
+        mask = mask.clone()
+        mask[2] = 0
+    if axis == "dtype.logp":  # values exact in the dtype: the engine computes in it, the oracle in fp64
+        lo, lr = lo.to(_SPACE_DTYPE.get(cls, torch.float32)), lr.to(_SPACE_DTYPE.get(cls, torch.float32))
+    if axis == "layout.logp":
+        lo, lr = with_layout(lo, value), with_layout(lr, value)
+    cfg = C.CorrectionConfig("token", 2.0)
+    if axis == "arg.rollout_is":
+        cfg = C.CorrectionConfig(None if value == "none" else value, 2.0 if value != "none" else None)
+    if cls == "arg.rollout_rs=set":
+        cfg = C.CorrectionConfig("token", 2.0, rollout_rs="token_k3", rollout_rs_threshold=0.9)
+    return Batch(lo, lr, mask, seed), cfg
+
+
+@pytest.mark.parametrize("cls", _SPACE_CLASSES)
+@check("CORR-SPACE-001", "For every class of the rollout_correction input space — fp32 and bf16 log-probs; "
+       "contiguous, transposed and sliced layouts; NaN or -inf in the masked-out slots of either operand; empty "
+       "rows; IS off, token, sequence and geometric; rejection sampling on and off — IS weights on valid tokens are "
+       "within the derived bound of the oracle's (for the log-probs' own dtype), 0 on padding, and the mask equals "
+       "the oracle's (decisions inside the ambiguity band are redrawn).", bound=PAIR_BOUNDS[1:],
+       requires=[CAP])
+def test_correction_input_space_bound(engine, cls, seed):
+    S.skip_if_limited(engine, "rollout_correction", cls)
+    if cls == "arg.rollout_is=geometric":
+        require(engine, "rollout_correction.geometric")
+    for attempt in range(20):  # redraw a batch whose decisions sit inside the ambiguity band
+        b, cfg = _space_case(cls, seed + attempt)
+        exact = Batch(b.train_logp.double(), b.rollout_logp.double(), b.mask, b.seed)
+        if not _ambiguous(exact, cfg):
+            break
+    got = _call(engine, b, cfg)
+    ref = C.rollout_correction(b.train_logp.double(), b.rollout_logp.double(), b.mask, cfg)
+    ctx = f"{_ctx(b, cfg)} [{cls}, {b.train_logp.dtype}, {S_layout(b.train_logp)}]"
+    _compare_mask(got, ref.mask.to(b.mask.dtype), ctx)
+    if cfg.rollout_is is None:
+        return
+    m = _m(b)
+    dtype = str(b.train_logp.dtype).replace("torch.", "")
+    log_err = tolerances.corr_log_weight_err(_delta(exact).abs(), m, cfg.rollout_is, dtype=dtype)
+    rel = tolerances.corr_weight_rel_bound(log_err, None, dtype=dtype)
+    w_ref, _, _ = C.is_weights(_delta(exact), m, cfg)
+    assert_within_bound(torch.where(m, got.weights.detach().double(), 0.0), w_ref, rel * w_ref,
+                        context=f"{ctx}: IS weights on valid tokens")
+    pad = got.weights.detach()[~m]
+    assert bool((pad == 0).all()), f"{ctx}: IS weights at padding must be 0, got {pad[pad != 0][:5].tolist()}"

@@ -12,6 +12,7 @@ from fp8rl.strategies import fp32_near_fp8
 from hypothesis import given
 from hypothesis import strategies as st
 
+from . import _space as S
 from ._inputs import all_bf16, bf16_sweep, cast_sweep
 
 FORMATS = pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
@@ -97,3 +98,39 @@ def test_round_bf16_exact(engine):
                 f"got 0x{int(got[i]):04x}" for i in idx]
         raise AssertionError(f"fp32→bf16: {int(bad.sum())}/{bad.size} values differ from round-to-nearest-even; "
                              "first: " + "; ".join(rows))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the input space of cast / round_bf16 (fp8rl.inputspace): every dtype, layout, rank, size class and special value
+
+
+@FORMATS
+@pytest.mark.parametrize("cls", S.classes("cast", ("dtype.", "layout.", "rank.", "size.", "special.")))
+@check("CAST-SPACE-001", "For every class of the cast input space — fp32/bf16/fp16 inputs; contiguous, transposed, "
+       "sliced and strided layouts; 1-D, 2-D and batched 3-D tensors; sizes below, at and above the 64/128/256 "
+       "tiles and ragged; NaN, ±inf, -0, fp32 subnormals and ±FLT_MAX placed in the tensor — the codes equal the "
+       "oracle's for the same values, element by element, under the declared overflow policy.",
+       requires=["cast.{fmt}"])
+def test_cast_input_space_exact(engine, fmt, cls, rng):
+    S.skip_if_limited(engine, "cast", cls)
+    x = S.tensor_of_class(cls, rng, fmt=fmt)
+    got = engine.cast(x, fmt)
+    x32 = x.float().contiguous()
+    expected = encode(x32, fmt, engine.cast_overflow(fmt)).reshape(x.shape)
+    assert_codes_equal(got, expected, fmt, context=f"cast {cls} {tuple(x.shape)} {x.dtype}→{fmt}", inputs=x32)
+
+
+@pytest.mark.parametrize("cls", S.classes("round_bf16", ("layout.", "rank.", "special.")))
+@check("CAST-SPACE-002", "For every layout (contiguous, transposed, sliced, strided), rank and special value of the "
+       "round_bf16 input space, fp32 → bf16 gives the oracle's bits element by element (a NaN input: any NaN).",
+       requires=["cast.bf16"])
+def test_round_bf16_input_space_exact(engine, cls, rng):
+    S.skip_if_limited(engine, "round_bf16", cls)
+    x = S.tensor_of_class(cls, rng, fmt="e5m2")
+    got = engine.round_bf16(x).contiguous().view(torch.int16).numpy().astype(np.uint16).reshape(-1)
+    xn = x.contiguous().reshape(-1)
+    expected = bf16_bits_rne(xn)
+    nan = np.isnan(xn.numpy())
+    bad = np.where(nan, (got & 0x7FFF) <= 0x7F80, got != expected)
+    assert not bad.any(), (f"round_bf16 {cls} {tuple(x.shape)}: {int(bad.sum())}/{bad.size} values differ from the "
+                           f"oracle; first at flat index {int(np.flatnonzero(bad)[0])}: x={float(xn[np.flatnonzero(bad)[0]])!r}")

@@ -13,6 +13,7 @@ from fp8rl.checks import assert_within_bound, check
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
 from fp8rl.reference.quant import Granularity, quantize
 
+from . import _space as S
 from ._inputs import scaled_normal
 
 OUT_DTYPES = pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -87,3 +88,42 @@ def test_gemm_zero_exact(engine, rng):
     a, wq = quantize(x, ga, "reference"), quantize(w, gw, "reference")
     got = engine.block_gemm(a, wq, torch.float32)
     assert_within_bound(got, torch.zeros(4, 256, dtype=torch.float64), 0.0, context="gemm[block] disjoint zeros")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the input space of block_gemm (fp8rl.inputspace): M, N, K around the tiles (M > 16 rows), the output dtype,
+# NaN codes inside an operand, all-zero operands
+
+_GEMM_CLASSES = [c for c in S.classes("block_gemm") if not c.startswith(("arg.a_kind", "arg.w_kind"))]
+
+
+def _space_operands(kind: str, cls: str, rng: np.random.Generator):
+    axis, _, value = cls.partition("=")
+    dims = {"m": 24, "n": 136, "k": 200}
+    if axis.startswith("size."):
+        dims[axis.split(".")[1]] = S.SIZE_OF[value]
+    a, w = _operands(kind, rng, dims["m"], dims["k"], dims["n"])
+    if cls == "special.a=nan-code" or cls == "special.w=nan-code":
+        t = a if cls.startswith("special.a") else w
+        codes = t.codes.clone()
+        codes[1, 3] = 0x7F  # the e4m3fn NaN code: IEEE says every output that reads it is NaN
+        t = type(t)(codes, t.scale, t.granularity, t.policy)
+        a, w = (t, w) if cls.startswith("special.a") else (a, t)
+    if cls == "special.operand=all-zero":
+        a = type(a)(torch.zeros_like(a.codes), a.scale, a.granularity, a.policy)
+    return a, w
+
+
+@pytest.mark.parametrize("kind", list(OPERANDS))
+@pytest.mark.parametrize("cls", _GEMM_CLASSES)
+@check("GEMM-SPACE-001", "For every class of the block_gemm input space — M, N and K below, at and above the "
+       "64/128/256 tiles and ragged (M up to 384 rows), fp32 and bf16 outputs, a NaN code inside either operand "
+       "(its row or column of the output is NaN, the rest within the bound), an all-zero operand — the output is "
+       "within the derived fp32-accumulation bound of the exact result.", bound="gemm_fp32_accum",
+       requires=["gemm.{kind}"])
+def test_gemm_input_space_bound(engine, kind, cls, rng):
+    S.skip_if_limited(engine, "block_gemm", cls)
+    a, w = _space_operands(kind, cls, rng)
+    out_dtype = torch.bfloat16 if cls == "arg.out_dtype=bf16" else torch.float32
+    _check(engine, a, w, out_dtype, f"gemm[{kind}] {cls} M={a.codes.shape[0]} K={a.codes.shape[1]} "
+                                    f"N={w.codes.shape[0]} out={out_dtype}")

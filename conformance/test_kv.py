@@ -27,12 +27,14 @@ from fp8rl.checks import (
     record_section,
 )
 from fp8rl.engine import EngineError, Unsupported
+from fp8rl.inputspace import with_layout, with_specials
 from fp8rl.reference import drift
 from fp8rl.reference import kv as kvref
 from fp8rl.reference.formats import decode_codes, get_format
 from hypothesis import given
 from hypothesis import strategies as st
 
+from . import _space as S
 from ._inputs import cast_sweep
 
 FMTS = ("e4m3fn", "e5m2")
@@ -554,3 +556,80 @@ def test_kv_drift_per_step_recalibration(engine, seed):
             f"{t} (attn {result.schedules['every-step'][t].attn_err:.3g} vs bound {result.attn_bound(t):.3g}, "
             f"log-prob {result.schedules['every-step'][t].logprob_div:.3g} vs {result.lp_bound(t):.3g}, "
             f"saturation {result.schedules['every-step'][t].saturation:.3g})" for t in bad[:4]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the input space of kv_store / kv_attention (fp8rl.inputspace)
+
+_STORE_CLASSES = S.classes("kv_store", ("dtype.", "layout.", "special.", "size."))
+
+
+def _finite_amax_scale(x: torch.Tensor, layout: str, fmt: str) -> torch.Tensor | None:
+    """amax_scale over the finite values (a special value placed in K/V must not set the scale)."""
+    finite = torch.where(torch.isfinite(x.float()), x.float(), torch.zeros_like(x, dtype=torch.float32))
+    s = amax_scale(finite.clamp(-1e30, 1e30), layout, fmt)
+    return None if s is None else torch.where(s > 0, s, torch.ones_like(s))
+
+
+@FORMATS
+@ALL_LAYOUTS
+@pytest.mark.parametrize("cls", _STORE_CLASSES)
+@check("KV-SPACE-001", "For every class of the kv_store input space — fp32/bf16/fp16 K/V; contiguous, transposed "
+       "(heads × dims), sliced and strided layouts; head dims below 64, 64 and 128; NaN, ±inf, -0, fp32 "
+       "subnormals and ±FLT_MAX placed in K/V — stored codes and scales equal the oracle's under the declared "
+       "policy.", requires=["kv.store"])
+def test_kv_store_input_space_exact(engine, fmt, layout, cls, rng):
+    S.skip_if_limited(engine, "kv_store", cls)
+    axis, _, value = cls.partition("=")
+    d = S.SIZE_OF[value] if axis == "size.x.head_dim" else 48
+    x = kv_tensor(rng, (12, 4, d), spread=3)
+    if axis == "special.x":
+        x = with_specials(x, [value], rng)
+    if axis == "dtype.x":
+        x = x.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[value])
+    if axis == "layout.x":
+        x = with_layout(x, value)
+    s = _finite_amax_scale(x, layout, fmt)
+    got = engine.kv_store(x, s, fmt=fmt, layout=layout)
+    x32 = x.float().contiguous()
+    compare_cache(got, oracle_store(engine, x32, s, fmt, layout), x32, f"kv_store[{fmt}/{layout}] {cls}")
+
+
+_ATTN_CLASSES = S.classes("kv_attention", ("dtype.", "layout.", "arg.causal", "arg.sm_scale", "arg.q_scale",
+                                           "arg.lengths", "arg.gqa", "special."))
+#: the attention case that carries a class (varlen: ragged lengths with NaN codes past kv_len; mha: Hq = Hkv)
+_ATTN_CASE = {"arg.lengths=none": "prefill-gqa", "arg.gqa=gqa": "prefill-gqa", "arg.gqa=mha": "noncausal-mha",
+              "arg.causal=false": "noncausal-mha", "special.cache=nan-code": "varlen-causal"}
+
+
+@FORMATS
+@ALL_LAYOUTS
+@pytest.mark.parametrize("cls", _ATTN_CLASSES)
+@check("KV-SPACE-002", "For every class of the kv_attention input space — fp32/bf16/fp16 and non-contiguous "
+       "queries, causal and non-causal, a given sm_scale, with and without a q_scale (where the policy quantizes "
+       "Q), ragged and full lengths, GQA and MHA, NaN codes in slots past kv_len — the output is within the derived "
+       "fp32-arithmetic bound of the oracle's FP8 attention on the same FP8 operands.",
+       bound="kv_attention_arith", requires=["kv.attention"])
+def test_kv_attention_input_space_bound(engine, fmt, layout, cls, rng):
+    S.skip_if_limited(engine, "kv_attention", cls)
+    axis, _, value = cls.partition("=")
+    q, kc, vc, q_scale, kw = attention_case(rng, _ATTN_CASE.get(cls, "varlen-causal"), fmt, layout)
+    pol = engine.kv_policy(fmt, layout)
+    qs = q_scale if pol.quantize_q and cls != "arg.q_scale=none" else None
+    if cls == "arg.q_scale=given" and not pol.quantize_q:
+        pytest.skip(f"kv_attention: the declared {fmt}/{layout} policy keeps Q unquantized (no FP8 query)")
+    if cls == "arg.sm_scale=given":
+        kw = {**kw, "sm_scale": 0.37}
+    if axis == "dtype.q":
+        q = q.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[value])
+    if axis == "layout.q":
+        q = with_layout(q, value)
+    got = engine.kv_attention(q, kc, vc, q_scale=qs, **kw).detach().cpu().double()
+    q_hat = kvref.to_f32(q.float().contiguous()).double() if qs is None else \
+        kvref.quantize_q(q.float().contiguous(), qs, pol.q_fmt, pol.q_quant_op)
+    k_hat, v_hat = kvref.dequantize_kv(kc), kvref.dequantize_kv(vc)
+    expected = kvref.attention(q_hat, k_hat, v_hat, **kw)
+    terms = kvref.attention_bound_terms(q_hat, k_hat, v_hat, **kw)
+    bound = tolerances.kv_attention_arith_bound(terms.score_abs_max, terms.score_span, terms.weighted_abs_v,
+                                                terms.head_dim, terms.n_keys)
+    assert_within_bound(got, expected, bound, context=f"kv_attention[{fmt}/{layout}] {cls} q {q.dtype}")

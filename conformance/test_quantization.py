@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 from fp8rl import tolerances
-from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
 from fp8rl.reference.formats import decode_codes
 from fp8rl.reference.quant import Granularity, quantize
 from hypothesis import given
 from hypothesis import strategies as st
 
+from . import _space as S
 from ._inputs import scaled_normal
 
 #: granularity kind → (granularity, shapes: divisible, non-divisible, one row, huge K)
@@ -152,3 +153,47 @@ def test_quantize_roundtrip_bound(engine, kind, rng):
         deq = got.dequantize()
         bound = tolerances.quant_roundtrip_bound(x.abs(), got.expanded_scale(), got.fmt)
         assert_within_bound(deq, x, bound, context=f"quantize[{kind}] round trip {shape}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the input space of quantize (fp8rl.inputspace)
+
+#: kinds that accept inputs of any rank (token/group/tensor act on the last dim); channel and block are 2-D
+_ND_KINDS = ("tensor", "token", "group")
+_NONFINITE = ("special.x=nan", "special.x=posinf", "special.x=neginf")
+
+
+def _space_cases() -> list:
+    cases = []
+    for kind in CASES:
+        for cls in S.classes("quantize", ("dtype.", "layout.", "rank.", "size.", "special.")):
+            if cls.startswith("rank.") and cls != "rank.x=2d" and kind not in _ND_KINDS:
+                continue
+            cases.append((kind, cls))
+    cases += [("group", "arg.group_size=other"), ("block", "arg.block_size=other")]
+    return cases
+
+
+#: the granularity a quantize SPACE case uses: the usual one, or another group / block size
+_OTHER = {"arg.group_size=other": Granularity.group(64), "arg.block_size=other": Granularity.block((128, 64))}
+
+
+@pytest.mark.parametrize(("kind", "cls"), _space_cases())
+@check("QUANT-SPACE-001", "For every class of the quantize input space — fp32/bf16/fp16 inputs; contiguous, "
+       "transposed, sliced and strided layouts; 1-D and batched 3-D inputs where the granularity allows them; "
+       "sizes below, at and above the 64/128/256 tiles and ragged; -0, fp32 subnormals, ±FLT_MAX (and NaN/±inf "
+       "where the engine declares non-finite groups); group sizes and block shapes other than 128 — scales and "
+       "codes equal the oracle's under the declared policy.", requires=["quantize.{kind}"])
+def test_quantize_input_space_exact(engine, kind, cls, rng):
+    S.skip_if_limited(engine, "quantize", cls)
+    if cls in _NONFINITE:
+        require(engine, "quantize_nonfinite")
+    g = _OTHER.get(cls, CASES[kind][0])
+    x = S.tensor_of_class(cls, rng, rows=(160 if kind == "block" and not cls.startswith("size.") else None))
+    got = engine.quantize(x, g)
+    policy = engine.scale_policy(g.kind)
+    ref = quantize(x.contiguous(), g, policy)
+    context = f"quantize[{g.label}] {cls} {tuple(x.shape)} {x.dtype}"
+    assert_tensors_equal(got.scale, ref.scale, context=f"{context}: scales ({policy.name})")
+    assert_codes_equal(_nan_as_one(got.codes, policy.fmt), _nan_as_one(ref.codes, policy.fmt), policy.fmt,
+                       context=f"{context}: codes ({policy.name})", inputs=x.float().contiguous())

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fp8rl import capabilities, journal, tolerances
+from fp8rl import capabilities, inputspace, journal, tolerances
 from fp8rl.engine import Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -139,6 +139,15 @@ def record_metrics(**metrics: Any) -> None:
             store[key] = value
 
 
+def record_coverage(op: str, classes: set[str]) -> None:
+    """Add the input classes (fp8rl.inputspace) an op call exercised to the running check's record."""
+    store = CURRENT_METRICS.get()
+    if store is None or not classes:
+        return
+    cov = store.setdefault("_coverage", {})
+    cov[op] = sorted(set(cov.get(op, ())) | classes)
+
+
 def record_section(name: str, data: dict) -> None:
     """Attach a report section (e.g. a table + plot spec, see fp8rl.reports) from the running check.
 
@@ -180,6 +189,7 @@ class GuardedEngine:
         return lambda *a, **k: self._call(item, *a, **k)
 
     def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        record_coverage(op, inputspace.classify(op, args, kwargs))  # which input classes the suite exercised
         journal.enter_op(op)  # if this process dies inside the op, the report names it (fp8rl.journal)
         try:
             out = getattr(self.inner, op)(*args, **kwargs)
@@ -452,7 +462,10 @@ def assert_tensors_equal(got: torch.Tensor, expected: torch.Tensor, *, context: 
 
 def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | float, *,
                         context: str) -> None:
-    """|got − expected| ≤ bound elementwise (fp64); records max error and max error/bound; fails with a repro."""
+    """|got − expected| ≤ bound elementwise (fp64); records max error and max error/bound; fails with a repro.
+
+    NaN agrees only with NaN: where ``expected`` is NaN the engine must give NaN (and vice versa), whatever the
+    bound is there (a bound computed from NaN operands is NaN, and ``err > NaN`` would let anything pass)."""
     g = got.detach().cpu().double()
     e = expected.detach().cpu().double()
     b = torch.as_tensor(bound, dtype=torch.float64).expand_as(e) if not isinstance(bound, torch.Tensor) else \
@@ -463,6 +476,8 @@ def assert_within_bound(got: torch.Tensor, expected: torch.Tensor, bound: torch.
     both_nan = torch.isnan(g) & torch.isnan(e)
     err = torch.where(both_nan, torch.zeros_like(err), err)
     err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    b = torch.where(both_nan, torch.zeros_like(b), b)
+    b = torch.where(torch.isnan(b), torch.zeros_like(b), b)  # NaN vs a number never passes on a NaN bound
     ratio = torch.where(b > 0, err / b, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
     worst = float(ratio.max()) if ratio.numel() else 0.0
     record_metrics(max_abs_err=float(err.max()) if err.numel() else 0.0, err_over_bound=worst)

@@ -55,6 +55,12 @@ class CoreOps:
     def capabilities(self) -> CapabilityMap:
         return {}
 
+    def input_limits(self, op: str) -> dict[str, str]:
+        """Input classes of ``op`` (fp8rl.inputspace, e.g. ``"dtype.x=fp16"``, ``"layout.x=strided"``) this engine
+        cannot take, each with the reason; the checks of those classes are skipped with it. Default: none (every
+        input the protocol allows)."""
+        return {}
+
     # -- declared numerics ---------------------------------------------------------------------------------
     def cast_overflow(self, fmt: str) -> str:
         """Overflow policy of :meth:`cast` for ``fmt`` ("saturate", "nan" or "inf")."""

@@ -253,9 +253,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if state is None:
         return
     for it in session.items:
-        meta = dict(it.user_properties).get("fp8rl_check")
-        if meta is not None:
-            state.planned[it.nodeid] = meta
+        props: dict[str, Any] = dict(it.user_properties)
+        if props.get("fp8rl_check") is not None:
+            state.planned[it.nodeid] = props["fp8rl_check"]
     worker = getattr(config, "workerinput", {}).get("workerid")
     if not worker:
         if state.journal is not None:

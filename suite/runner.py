@@ -52,7 +52,39 @@ def describe_engine(name: str) -> dict[str, Any]:
     presets = declared_presets(eng)  # the provenance of each ScalePolicy preset the engine declares
     if presets:
         out["presets"] = presets
+    from fp8rl.inputspace import MODEL
+
+    limits = {op: dict(eng.input_limits(op)) for op in MODEL} if hasattr(eng, "input_limits") else {}
+    limits = {op: v for op, v in limits.items() if v}
+    if limits:
+        out["input_limits"] = limits  # the input classes the engine declares it cannot take, with reasons
     return out
+
+
+def coverage_section(exercised: dict[str, dict[str, set[str]]], limits: dict[str, dict[str, str]],
+                     areas: set[str]) -> dict[str, Any]:
+    """The op × input-class coverage table of a report (fp8rl.inputspace): for every class of every op of the run's
+    areas, the checks that exercised it, or that none did (with the engine's reason when it declares the class
+    unsupported)."""
+    from fp8rl.inputspace import MODEL
+
+    rows = []
+    n_total = n_hit = 0
+    for op, model in MODEL.items():
+        if model.area not in areas:
+            continue
+        for cls in model.classes():
+            ids = sorted(exercised.get(op, {}).get(cls, set()))
+            reason = limits.get(op, {}).get(cls)
+            status = "exercised" if ids else f"unsupported: {reason}" if reason else "NOT EXERCISED"
+            n_total += 1
+            n_hit += bool(ids)
+            rows.append([op, cls, len(ids), ", ".join(ids[:6]) + (" …" if len(ids) > 6 else ""), status])
+    text = (f"{n_hit} of {n_total} input classes of the ops these areas call were exercised (fp8rl.inputspace: "
+            "dtype, layout, rank, sizes around the 64/128/256 tiles, special values in every operand, optional "
+            "arguments).")
+    return {"title": "input-space coverage (op × class)", "text": text, "exercised": n_hit, "classes": n_total,
+            "table": {"columns": ["op", "class", "checks", "check ids", "status"], "rows": rows}}
 
 
 def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: int, started_at: str,
@@ -99,6 +131,7 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
     for name in engines:
         checks = []
         sections: dict[str, Any] = {}
+        exercised: dict[str, dict[str, set[str]]] = {}
         for r in results.values():
             if r["engine"] != name:
                 continue
@@ -108,8 +141,12 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
             c["kills"] = sorted(kills.get(r["id"], []))
             checks.append(c)
             sections.update(r.get("sections", {}))
+            for op, classes in (r.get("coverage") or {}).items():
+                for cls in classes:
+                    exercised.setdefault(op, {}).setdefault(cls, set()).add(r["id"])
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))
         desc = (descriptions or {}).get(name) or describe_engine(name)
+        sections["coverage"] = coverage_section(exercised, desc.get("input_limits", {}), {c["area"] for c in checks})
         extra: dict[str, Any] = {"status": status}
         if status_detail:
             extra["status_detail"] = status_detail

@@ -876,7 +876,9 @@ for (_model, _recipe), _stats in E2E_MEASURED.items():
                   f"{_kind} for {_metric} of {_model} under {_recipe}: measured min/median/max "
                   f"{_s[0]:.4g}/{_s[1]:.4g}/{_s[2]:.4g} over {_n} reference-emulation runs (calibration "
                   f"{_calibration_line(_cal)}), margin {E2E_MARGINS[_metric]} (see 'e2e_mismatch'; data: "
-                  f"fp8rl/{E2E_BUDGETS_FILE}).")
+                  f"fp8rl/{E2E_BUDGETS_FILE}). False-alarm rate for an engine with the reference emulation's "
+                  f"distribution: at most 1/(n + 1) = {1 / (_n + 1):.2%} per run (distribution-free; the margin "
+                  "only lowers it); measured 0 false alarms in the 20-seed sweep of the reference engine.")
 
 
 ROLLOUT_LOGPROB_SLACK = _register(

@@ -224,3 +224,15 @@ class DecoupledBehaveRatio(ReferenceEngine):
 __all__ = ["BatchNormPadding", "DecoupledBehaveRatio", "ExtremesOverPadding", "InvertedRatio", "K3WrongSign",
            "MisImpliedLower", "NoSafetyClamp", "NoTruncation", "PaddingInMeans", "ProxOffByOne", "RsOnWeights",
            "SeqSumOfRatios", "TwoSidedClamp", "WeightsNotDetached"]
+
+
+@mutant("corr-masked-nan-poisons", "log-ratios are masked by multiplication (δ·mask) instead of selection: a NaN "
+        "or -inf log-prob in a padded slot turns its row's sequence weight and the batch metrics into NaN",
+        kills=("CORR-SPACE-001",))
+class MaskedNanPoisons(ReferenceEngine):
+    def rollout_correction(self, train_logp, rollout_logp, mask, config):
+        res = super().rollout_correction(train_logp, rollout_logp, mask, config)
+        if res.weights is None:
+            return res
+        poisoned = ((train_logp - rollout_logp) * mask).sum(-1, keepdim=True) * 0  # NaN where a padded slot is
+        return replace(res, weights=res.weights + poisoned.to(res.weights.dtype))

@@ -100,3 +100,26 @@ class TruncatingBf16(ReferenceEngine):
         nan = np.isnan(x.detach().float().cpu().numpy())
         bits = np.where(nan, bits | 0x40, bits)  # keep NaNs NaN (a bare shift could give ±inf)
         return torch.from_numpy(bits.astype(np.uint16).view(np.int16).copy()).view(torch.bfloat16).reshape(x.shape)
+
+
+def _as_if_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """What a kernel that ignores strides reads: the tensor's memory in order, as if it were contiguous."""
+    if x.is_contiguous():
+        return x
+    flat = torch.as_strided(x, (x.numel(),), (1,), x.storage_offset())
+    return flat.reshape(x.shape)
+
+
+@mutant("cast-ignores-strides", "cast reads its input's memory as if it were contiguous (a kernel that takes a "
+        "data pointer and a size but no strides): transposed, sliced and strided inputs get other elements' codes",
+        kills=("CAST-SPACE-001",))
+class CastIgnoresStrides(ReferenceEngine):
+    def cast(self, x, fmt):
+        return super().cast(_as_if_contiguous(x), fmt)
+
+
+@mutant("cast-fp16-through-bf16", "fp16 inputs are first converted to bf16 (a kernel with one 16-bit path): "
+        "fp16 values with more than 8 significant bits are rounded twice", kills=("CAST-SPACE-001",))
+class CastFp16ThroughBf16(ReferenceEngine):
+    def cast(self, x, fmt):
+        return super().cast(x.to(torch.bfloat16) if x.dtype == torch.float16 else x, fmt)

@@ -58,3 +58,27 @@ class GemmWeightScaleTransposed(ReferenceEngine):
 class GemmBf16Accum(ReferenceEngine):
     def block_gemm(self, a, w, out_dtype):
         return _chunked_low_precision_dot(a.dequantize().double(), w.dequantize().double(), 8, 1 << 30).to(out_dtype)
+
+
+@mutant("gemm-tile-row-scale", "the GEMM applies the activation scales of the first 16-row tile to every tile "
+        "(M > 16 rows get row (i mod 16)'s scale: a tile-index bug that GEMMs of at most 16 rows never see)",
+        kills=("GEMM-SPACE-001",))
+class GemmTileRowScale(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        m = a.codes.shape[0]
+        if m <= 16 or a.scale.shape[0] != m:
+            return block_gemm_exact(a, w).to(out_dtype)
+        scale = a.scale[torch.arange(m) % 16].contiguous()
+        return block_gemm_exact(QuantizedTensor(a.codes, scale, a.granularity, a.policy), w).to(out_dtype)
+
+
+@mutant("gemm-nan-code-as-zero", "the GEMM decodes an FP8 NaN code as 0 (a lookup table without NaN): the output "
+        "stays finite where IEEE arithmetic gives NaN", kills=("GEMM-SPACE-001",))
+class GemmNanCodeAsZero(ReferenceEngine):
+    def block_gemm(self, a, w, out_dtype):
+        def clean(t):
+            nan = torch.isnan(t.values())
+            return QuantizedTensor(torch.where(nan, torch.zeros_like(t.codes), t.codes), t.scale, t.granularity,
+                                   t.policy)
+
+        return block_gemm_exact(clean(a), clean(w)).to(out_dtype)

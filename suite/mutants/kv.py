@@ -178,3 +178,21 @@ class KVReadsPastKVLen(ReferenceEngine):
 
 __all__ = ["KVHeadAmaxPooled", "KVNoClamp", "KVP999AsMax", "KVReadsPastKVLen", "KVPerTensorScale", "KVQScaleIgnored", "KVScaleOne", "KVStaleScales",
            "KVSwappedConstants", "KVTruncatingStore"]
+
+
+@mutant("kv-attention-ignores-sm-scale", "FP8 attention always scales the scores by 1/sqrt(D) and ignores the "
+        "sm_scale it is given", kills=("KV-SPACE-002",))
+class KVAttentionIgnoresSmScale(ReferenceEngine):
+    def kv_attention(self, q, k_cache, v_cache, *, q_scale=None, causal=True, q_lengths=None, kv_lengths=None,
+                     sm_scale=None):
+        return super().kv_attention(q, k_cache, v_cache, q_scale=q_scale, causal=causal, q_lengths=q_lengths,
+                                    kv_lengths=kv_lengths, sm_scale=None)
+
+
+@mutant("kv-store-ignores-strides", "the KV store reads K/V memory as if it were contiguous [T, H, D] (a cache "
+        "write kernel without strides): a transposed or sliced K/V is stored scrambled", kills=("KV-SPACE-001",))
+class KVStoreIgnoresStrides(ReferenceEngine):
+    def kv_store(self, x, scale, *, fmt, layout):
+        if not x.is_contiguous():
+            x = torch.as_strided(x, (x.numel(),), (1,), x.storage_offset()).reshape(x.shape)
+        return super().kv_store(x, scale, fmt=fmt, layout=layout)

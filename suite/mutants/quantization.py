@@ -191,3 +191,44 @@ class PresetExponentClamp(_PresetMutant):
         "divides 448/amax once", kills=("QUANT-EXACT-001", "QUANT-EXACT-002"))
 class PresetReciprocalRounding(_PresetMutant):
     mutation = "preset-reciprocal-rounding"
+
+
+@mutant("group-size-hardcoded", "the group quantizer always uses 1x128 groups, whatever group size it is given "
+        "(a kernel compiled for one GROUP_SIZE)", kills=("QUANT-SPACE-001",))
+class GroupSizeHardcoded(ReferenceEngine):
+    def quantize(self, x, granularity):
+        if granularity.kind != "group" or granularity.size[1] == 128:
+            return super().quantize(x, granularity)
+        qt = super().quantize(x, Granularity.group(128))
+        scale = qt.scale.repeat_interleave(128 // granularity.size[1] or 1, dim=-1)
+        scale = scale[..., : granularity.scale_shape(tuple(x.shape))[-1]]
+        return QuantizedTensor(qt.codes, scale.contiguous(), granularity, qt.policy)
+
+
+@mutant("block-square-only", "the block quantizer uses Bm x Bm tiles for a Bm x Bn block (a kernel that takes one "
+        "BLOCK_SIZE)", kills=("QUANT-SPACE-001",))
+class BlockSquareOnly(ReferenceEngine):
+    def quantize(self, x, granularity):
+        bm, bn = granularity.size
+        if granularity.kind != "block" or bm == bn:
+            return super().quantize(x, granularity)
+        policy = self.scale_policy("block")
+        square = Granularity.block(bm)
+        s = scale_from_amax(compute_amax(x, square), policy)
+        want = granularity.scale_shape(tuple(x.shape))
+        s = s.repeat_interleave(max(bm // bn, 1), dim=1)[:, : want[1]].contiguous()
+        codes = quantize_with_scale(x, s, granularity, policy)
+        return QuantizedTensor(codes, s, granularity, policy)
+
+
+@mutant("token-quant-flattens-batch", "per-token quantization of a batched (3-D) input takes one scale per batch "
+        "entry instead of one per token (amax over the wrong dims)", kills=("QUANT-SPACE-001",))
+class TokenQuantFlattensBatch(ReferenceEngine):
+    def quantize(self, x, granularity):
+        if granularity.kind != "token" or x.dim() < 3:
+            return super().quantize(x, granularity)
+        policy = self.scale_policy("token")
+        amax = x.float().abs().amax(dim=tuple(range(1, x.dim())), keepdim=True).expand(*x.shape[:-1], 1)
+        s = scale_from_amax(amax.contiguous(), policy)
+        codes = quantize_with_scale(x, s, granularity, policy)
+        return QuantizedTensor(codes, s, granularity, policy)
