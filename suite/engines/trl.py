@@ -182,8 +182,9 @@ class TrlEngine(Engine):
             "rollout_correction": True,
             "rollout_correction.geometric": "TRL has no geometric-mean IS level",
             "rollout_correction.veto": "TRL has no veto",
-            "rollout_correction.loss": "not driven: TRL's GRPO loss (_compute_loss) needs a model forward; the "
-                                       "adapter drives its IS correction only",
+            "rollout_correction.loss": "TRL's GRPO loss (_compute_loss) takes one advantage per completion (B,) "
+                                       "and has no REINFORCE loss; CORR-LOSS-001/002 use per-token advantages "
+                                       "(its `delta` equals the dual clip c for delta ≥ 1 + epsilon_high)",
             "rollout_correction.proximal": "TRL has no decoupled PPO / proximal policy",
             "rollout_correction.decoupled": "TRL has no decoupled PPO / proximal policy",
         }
