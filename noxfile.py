@@ -15,7 +15,7 @@ upstream`` builds the same environments from the *latest* allowed versions and r
     nox -s lint typecheck      ruff; mypy on the whole package
     nox -s asv                 asv benchmarks + dashboard (.asv/html);  nox -s asv_smoke: CI's no-timing check
     nox -s mutants kv_drift    mutation testing; the KV-scale drift simulator
-    nox -s nightly             the false-alarm sweep: reference and torch over 20 seeds at --profile nightly
+    nox -s nightly             the false-alarm sweep (reference, torch, 20 seeds), report merge, asv + offline dashboard
     nox -s lock                regenerate every lock in locks/ (uv pip compile; see locks/README.md)
     nox -s upstream            nightly: every tier locked vs latest-allowed, drift report in ./fp8rl-upstream
 
@@ -219,13 +219,47 @@ NIGHTLY_ENGINES = ("reference", "torch")
 @nox.session
 def nightly(session: nox.Session) -> None:
     """The false-alarm measurement: the reference and torch engines over seeds 0..19 at --profile nightly (a checks ×
-    seeds table per engine in fp8rl-nightly/<engine>/sweep.md); fails if any cell of a correct engine fails."""
+    seeds table per engine in fp8rl-nightly/<engine>/sweep.md); fails if any cell of a correct engine fails.
+
+    Then, whatever the sweep found: the engines' first-seed reports merged into one engine × check matrix
+    (fp8rl-nightly/merge/merge.html); with FP8RL_NIGHTLY_BASELINE=<an earlier fp8rl-nightly folder>, ``fp8rl report
+    diff`` of each engine against it (a regression fails the session); asv over every benchmark of perf/benchmarks
+    (the oracle's, the model's, and the conformance counts and wall time per engine read from this night's reports)
+    on the machine named by FP8RL_ASV_MACHINE (default: this host's asv machine), and the dashboard published to
+    .asv/html with its scripts served from the folder (perf/asv_offline.py), so it opens with no network.
+    ``nox -s nightly -- 0..3 -b bench_conformance``: other seeds; arguments after the seeds go to ``asv run``."""
     if not _no_venv(session):
         install_locked(session, TIERS["base"])
     seeds = session.posargs[0] if session.posargs else NIGHTLY_SEEDS
+    failed = []
+
+    def run_or_note(what: str, *args: str, **kwargs) -> None:
+        try:
+            session.run(*args, **kwargs)
+        except Exception:  # nox raises CommandFailed (a private class) on a non-zero exit: note it, go on
+            failed.append(what)
+
     for engine in NIGHTLY_ENGINES:
-        session.run("fp8rl", "conformance", "--engine", engine, "--profile", "nightly", "--seeds", seeds, "-n", "2",
-                    "--out", f"fp8rl-nightly/{engine}")
+        run_or_note(f"{engine} sweep", "fp8rl", "conformance", "--engine", engine, "--profile", "nightly", "--seeds",
+                    seeds, "-n", "2", "--out", f"fp8rl-nightly/{engine}")
+    first = seeds.split("..")[0]
+    reports = [str(ROOT / "fp8rl-nightly" / engine / f"seed-{first}") for engine in NIGHTLY_ENGINES]
+    session.run("fp8rl", "report", "merge", *reports, "--out", "fp8rl-nightly/merge")
+    baseline = os.environ.get("FP8RL_NIGHTLY_BASELINE")
+    for engine, report in zip(NIGHTLY_ENGINES, reports) if baseline else ():
+        run_or_note(f"{engine} regressed against {baseline}", "fp8rl", "report", "diff",
+                    str(Path(baseline) / engine / f"seed-{first}"), report)
+    machine = os.environ.get("FP8RL_ASV_MACHINE")
+    machine_args = ["--machine", machine] if machine else []
+    head = session.run("git", "rev-parse", "HEAD", external=True, silent=True).strip()
+    session.run("asv", "machine", "--yes", *machine_args, *ASV_CONF)
+    run_or_note("asv run (a benchmark failed)", "asv", "run", *ASV_CONF, *machine_args, "--python=same",
+                f"--set-commit-hash={head}", "--show-stderr", *session.posargs[1:],
+                env={"FP8RL_ASV_REPORTS": os.pathsep.join(reports)})
+    session.run("asv", "publish", *ASV_CONF)
+    _asv_offline(session, ".asv/html")
+    if failed:
+        session.error("nightly: " + "; ".join(failed))
 
 
 @nox.session
@@ -300,13 +334,32 @@ def asv(session: nox.Session) -> None:
     session.run("asv", "run", *ASV_CONF, "--python=same", f"--set-commit-hash={head}", "--show-stderr",
                 *session.posargs)
     session.run("asv", "publish", *ASV_CONF)
+    _asv_offline(session, ".asv/html")
+
+
+#: the dashboard's scripts (asv's index.html loads them from CDNs), locked npm packages: perf/asv_vendor/
+ASV_VENDOR = "perf/asv_vendor"
+
+
+def _asv_vendor(session: nox.Session) -> None:
+    """npm ci of perf/asv_vendor: exactly package-lock.json's versions and integrity hashes, no install scripts."""
+    session.run("npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--prefix", ASV_VENDOR, external=True,
+                silent=True)
+
+
+def _asv_offline(session: nox.Session, html_dir: str) -> None:
+    """Serve the published dashboard's scripts and styles from its own folder (python -m fp8rl.perf.asv_offline)."""
+    _asv_vendor(session)
+    session.run("python", "-m", "fp8rl.perf.asv_offline", html_dir)
 
 
 @nox.session
 def asv_smoke(session: nox.Session) -> None:
-    """CI's asv check: the benchmarks import and run once (nothing is timed: CI machines are noisy)."""
+    """CI's asv check: the benchmarks import and run once (nothing is timed: CI machines are noisy); installs the
+    dashboard's locked vendor packages, so the suite's offline-dashboard render test runs."""
     if not _no_venv(session):
         install_locked(session, TIERS["base"])
+    _asv_vendor(session)
     session.run("asv", "machine", "--yes", *ASV_CONF, silent=True)
     session.run("asv", "check", *ASV_CONF)
     session.run("asv", "run", *ASV_CONF, "--python=same", "--quick", "--dry-run", "--show-stderr", "-b",

@@ -1,0 +1,79 @@
+"""Conformance outcomes per engine as tracked values, so that a vendor regression shows as a step on the dashboard.
+
+The values are read from report.json files of runs that already happened (nothing is run here): the environment
+variable ``FP8RL_ASV_REPORTS`` lists them (``os.pathsep``-separated report.json files, run directories or folders
+searched for them; ``nox -s nightly`` sets it to its own conformance runs). One parameter per engine name (a new
+engine version is the same series, so its effect is a step); without the variable every benchmark here is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .common import Benchmark
+
+ENV = "FP8RL_ASV_REPORTS"
+
+
+def _reports() -> dict[str, dict]:
+    """engine name -> its report (the first one found for that engine). A path that holds no valid report is left
+    out (its engine's benchmarks are then skipped) rather than breaking the discovery of every other benchmark;
+    give absolute paths: asv imports this file from another working directory."""
+    spec = os.environ.get(ENV, "")
+    out: dict[str, dict] = {}
+    if not spec:
+        return out
+    from fp8rl.reports import load_report
+    from fp8rl.reports.merge import find_reports
+
+    for part in filter(None, spec.split(os.pathsep)):
+        try:
+            paths = find_reports(part)
+        except ValueError:
+            continue
+        for path in paths:
+            try:
+                rep = load_report(path)
+            except ValueError:  # ReportValidationError, JSONDecodeError
+                continue
+            if rep.get("kind") == "conformance":
+                out.setdefault(str(rep["engine"]["name"]), rep)
+    return out
+
+
+_ENGINES = sorted(_reports()) or ["(no FP8RL_ASV_REPORTS)"]
+
+
+class Conformance(Benchmark):
+    """Counts of the engine's report summary and the run's wall time (``duration_s``)."""
+
+    params = _ENGINES
+    param_names = ["engine"]
+
+    def setup(self, engine):
+        reports = _reports()
+        if engine not in reports:
+            raise NotImplementedError(f"{ENV} names no report of engine {engine!r}")
+        self.report = reports[engine]
+
+    def track_passed(self, engine):
+        return self.report["summary"]["passed"]
+
+    def track_xfailed(self, engine):
+        """Known deviations (vendor xfails) that still deviate."""
+        return self.report["summary"]["xfailed"]
+
+    def track_failed_or_error(self, engine):
+        return self.report["summary"]["failed"] + self.report["summary"]["error"]
+
+    def track_skipped(self, engine):
+        return self.report["summary"]["skipped"]
+
+    def track_wall_s(self, engine):
+        return self.report["duration_s"]
+
+    track_passed.unit = "checks"  # type: ignore[attr-defined]
+    track_xfailed.unit = "checks"  # type: ignore[attr-defined]
+    track_failed_or_error.unit = "checks"  # type: ignore[attr-defined]
+    track_skipped.unit = "checks"  # type: ignore[attr-defined]
+    track_wall_s.unit = "seconds"  # type: ignore[attr-defined]
