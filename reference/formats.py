@@ -216,6 +216,8 @@ def _check_overflow(f: FP8Format, overflow: str) -> None:
 _LUT_MIN_SIZE = 1 << 15
 #: elements per step of the table path: its index buffers (2 × 512 KiB) stay in cache between the passes
 _LUT_CHUNK = 1 << 17
+#: table lookups per torch call: at most torch's parallel grain size, so each runs on the calling thread
+_GATHER_STEP = 1 << 15
 
 
 def _lut_shift(f: FP8Format) -> int:
@@ -250,9 +252,9 @@ def encode_codes_into(a: np.ndarray, out: np.ndarray, fmt: str | FP8Format, over
 
     With b the fp32 bits as uint32 and r = :func:`_lut_shift`: ``i = 2·(b >> r) + (((b & (2^r − 1)) + 2^r − 1) >> r)``
     — adding 2^r − 1 to the low r bits carries into bit r exactly when one of them is set, so the second term is the
-    sticky bit without a comparison; nothing overflows 32 bits. ``out = table[i]``. It runs in steps of
-    ``_LUT_CHUNK`` elements so that the index buffers stay in cache between the passes (a single pass over 16M
-    elements would re-read them from memory six times).
+    sticky bit without a comparison; nothing overflows 32 bits (i < 2^31, so it is also a valid int32). ``out =
+    table[i]`` (``torch.index_select``). It runs in steps of ``_LUT_CHUNK`` elements so that the index buffers stay
+    in cache between the passes (a single pass over 16M elements would re-read them from memory six times).
     """
     f = get_format(fmt)
     if f.name == "e8m0fnu":
@@ -263,6 +265,7 @@ def encode_codes_into(a: np.ndarray, out: np.ndarray, fmt: str | FP8Format, over
     if out.dtype != np.uint8 or out.shape != a.shape:
         raise TypeError(f"out: expected a uint8 array of shape {a.shape}, got {out.dtype} {out.shape}")
     table = _encode_lut(f.name, overflow)
+    table_t = torch.from_numpy(table)
     shift = np.uint32(_lut_shift(f))
     low = np.uint32((1 << int(shift)) - 1)
     bits = a.view(np.uint32)
@@ -279,7 +282,9 @@ def encode_codes_into(a: np.ndarray, out: np.ndarray, fmt: str | FP8Format, over
         np.right_shift(b, shift, out=ix)
         np.left_shift(ix, np.uint32(1), out=ix)
         np.bitwise_or(ix, st, out=ix)
-        np.take(table, ix, out=out[start:start + b.size])
+        ixt, ot = torch.from_numpy(ix.view(np.int32)), torch.from_numpy(out[start:start + b.size])
+        for k in range(0, b.size, _GATHER_STEP):  # torch's gather takes int32 indexes (np.take converts to int64)
+            torch.index_select(table_t, 0, ixt[k:k + _GATHER_STEP], out=ot[k:k + _GATHER_STEP])
 
 
 def _encode_codes_direct(a: np.ndarray, f: FP8Format, overflow: str, e8m0_rounding: str) -> np.ndarray:
