@@ -30,6 +30,20 @@ from fp8rl.reference import rollout_hf as R
 MODELS: tuple[str, ...] = fixtures.TINY_MODELS
 RECIPES: tuple[str, ...] = tuple(R.RECIPES)
 FP8_RECIPES: tuple[str, ...] = tuple(r for r in RECIPES if r != "bf16")
+#: the models every recipe runs on; the architecture-variant fixtures (shared-expert MoE without QK-norm, tied
+#: embeddings with no projection dimension a multiple of 128) run VARIANT_RECIPES only: BF16 (the engine's own
+#: model code on the architecture) and fp8-all (FP8 linear layers, KV cache and query on it) — CI time
+MATRIX_MODELS: tuple[str, ...] = ("tiny-qwen3", "tiny-qwen3-moe")
+VARIANT_RECIPES: tuple[str, ...] = ("bf16", "fp8-all")
+
+
+def recipes_for(model: str) -> tuple[str, ...]:
+    """The recipes the e2e area runs on ``model``."""
+    return RECIPES if model in MATRIX_MODELS else VARIANT_RECIPES
+
+
+#: every (model, recipe) case of the e2e area
+CASES: tuple[tuple[str, str], ...] = tuple((m, r) for m in MODELS for r in recipes_for(m))
 N_NEW = 20
 SAMPLE_SEED = 1234
 METRICS = ("k3_kl", "token_mult_prob_error", "max_abs_dlogp")
@@ -86,14 +100,15 @@ def measure(engine: Any, model: str, recipe: str, *, variant: str = "base", seed
     p, plen = prompts(), prompt_len()
     handle = engine.rollout_init(cfg, sd, recipe)
     # greedy first: the FP8 KV scales are calibrated on that first batch (the prompts' prefill), as in the update check
-    tok_g, _ = engine.rollout(handle, p, N_NEW, greedy=True, seed=seed)  # validated by GuardedEngine
+    tok_g, lp_g = engine.rollout(handle, p, N_NEW, greedy=True, seed=seed)  # validated by GuardedEngine
     tok_s, lp_s = engine.rollout(handle, p, N_NEW, greedy=False, seed=seed)
     lp_old = trainer.score(tok_s, plen)
     metrics = R.mismatch_metrics(lp_s, lp_old)
     fd = R.first_divergence(tok_g, ref_greedy, plen)
     metrics["first_div_mean"] = float(fd.double().mean())
     metrics["first_div_min"] = float(fd.min())
-    return CaseResult(model, variant, recipe, metrics, (lp_s - lp_old).abs().mean(0).tolist(), fd.tolist())
+    return CaseResult(model, variant, recipe, metrics, (lp_s - lp_old).abs().mean(0).tolist(), fd.tolist(),
+                      extra={"greedy": (tok_g, lp_g), "sampled": (tok_s, lp_s)})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,12 +157,11 @@ def prestart(engine: Any) -> None:
     from fp8rl.checks import capability_reason
 
     cases = []
-    for model in MODELS:
-        for recipe in RECIPES:
-            if capability_reason(engine, f"rollout.{recipe}") is None and (id(engine), model, "base", recipe) \
-                    not in _CACHE:
-                m = fixtures.tiny_model(model)
-                cases.append((m.config, m.state_dict, recipe))
+    for model, recipe in CASES:
+        if capability_reason(engine, f"rollout.{recipe}") is None and (id(engine), model, "base", recipe) \
+                not in _CACHE:
+            m = fixtures.tiny_model(model)
+            cases.append((m.config, m.state_dict, recipe))
     try:
         hook(cases)
     except Exception:  # noqa: BLE001, S110 - each case reports its own failure from rollout_init
@@ -178,6 +192,157 @@ def fmt_case(res: CaseResult) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# self-consistency of a rollout (capability rollout.logits): reported log-probs, greedy tokens and samples against
+# the logits the engine exposes
+
+#: the goodness-of-fit batch: every fixed prompt GOF_COPIES times (a GRPO-style group), GOF_NEW sampled tokens each
+GOF_COPIES = 64
+GOF_NEW = 16
+
+
+@dataclass
+class LogitsRollout:
+    """One ``rollout_logits`` call, validated: tokens (B, P + N) int64, logprobs (B, N) fp32, logits (B, N, V) fp32
+    (CPU)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    logits: torch.Tensor
+    prompt_len: int
+
+    @property
+    def new(self) -> torch.Tensor:
+        return self.tokens[:, self.prompt_len:]
+
+
+def rollout_logits(engine: Any, handle: Any, prompts_: torch.Tensor, max_new: int, *, greedy: bool, seed: int,
+                   vocab: int) -> LogitsRollout:
+    """``engine.rollout_logits`` with its output validated (EngineError names what is wrong)."""
+    from fp8rl.engine import EngineError
+
+    out = engine.rollout_logits(handle, prompts_, max_new, greedy=greedy, seed=seed)
+    what = f"{engine.name}.rollout_logits"
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise EngineError(f"{what}: expected a (tokens, logprobs, logits) tuple, got {type(out).__name__}")
+    tokens, logprobs, logits = (t.cpu() if isinstance(t, torch.Tensor) else t for t in out)
+    b, p = prompts_.shape
+    for name, t, shape, dtype in (("tokens", tokens, (b, p + max_new), torch.int64),
+                                  ("logprobs", logprobs, (b, max_new), torch.float32),
+                                  ("logits", logits, (b, max_new, vocab), torch.float32)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise EngineError(f"{what}: {name}: expected {dtype} {shape}, got {got}")
+    if not torch.equal(tokens[:, :p], prompts_.cpu()):
+        raise EngineError(f"{what}: tokens do not start with the prompts")
+    new = tokens[:, p:]
+    if bool(((new < 0) | (new >= vocab)).any()):
+        raise EngineError(f"{what}: token ids outside [0, {vocab})")
+    if not bool(torch.isfinite(logprobs).all()) or bool(torch.isnan(logits).any()) or \
+            bool(torch.isposinf(logits).any()) or not bool(torch.isfinite(logits).any(-1).all()):
+        raise EngineError(f"{what}: non-finite log-probs, or logits rows with NaN/+inf or no finite entry")
+    return LogitsRollout(tokens, logprobs, logits, p)
+
+
+@dataclass
+class LogitsCase:
+    """The standard case's greedy and sampled rollouts through ``rollout_logits``, and ``rollout``'s (from the
+    mismatch case) for the same arguments."""
+
+    greedy: LogitsRollout
+    sampled: LogitsRollout
+    rollout_greedy: tuple[torch.Tensor, torch.Tensor]
+    rollout_sampled: tuple[torch.Tensor, torch.Tensor]
+
+
+_LOGITS_CACHE: dict[tuple, tuple[Any, LogitsCase | BaseException]] = {}
+
+
+def _cached(cache: dict, key: tuple, engine: Any, fn) -> Any:
+    hit = cache.get(key)
+    if hit is None:
+        try:
+            res = fn()
+        except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001 - replayed to the check that owns it
+            res = exc
+        cache[key] = hit = (engine, res)
+    if isinstance(hit[1], BaseException):
+        raise hit[1]
+    return hit[1]
+
+
+def logits_case(engine: Any, model: str, recipe: str, *, run_seed: int = 0) -> LogitsCase:
+    """The mismatch case's rollouts again through ``rollout_logits`` (a fresh handle, greedy then sampled, the same
+    seed), once per (engine, model, recipe, seed) per process."""
+
+    def run() -> LogitsCase:
+        case = cached_case(engine, model, recipe, run_seed=run_seed)
+        m = fixtures.tiny_model(model)
+        seed, v = sampling_seed(run_seed), int(m.config["vocab_size"])
+        handle = engine.rollout_init(m.config, m.state_dict, recipe)
+        g = rollout_logits(engine, handle, prompts(), N_NEW, greedy=True, seed=seed, vocab=v)
+        smp = rollout_logits(engine, handle, prompts(), N_NEW, greedy=False, seed=seed, vocab=v)
+        return LogitsCase(g, smp, case.extra["greedy"], case.extra["sampled"])
+
+    return _cached(_LOGITS_CACHE, (id(engine), model, recipe, int(run_seed)), engine, run)
+
+
+def gof_rollout(engine: Any, model: str, recipe: str, *, run_seed: int = 0) -> LogitsRollout:
+    """The goodness-of-fit batch: each fixed prompt GOF_COPIES times, GOF_NEW tokens sampled at temperature 1."""
+
+    def run() -> LogitsRollout:
+        m = fixtures.tiny_model(model)
+        p = prompts().repeat_interleave(GOF_COPIES, dim=0)
+        handle = engine.rollout_init(m.config, m.state_dict, recipe)
+        return rollout_logits(engine, handle, p, GOF_NEW, greedy=False, seed=sampling_seed(run_seed),
+                              vocab=int(m.config["vocab_size"]))
+
+    return _cached(_LOGITS_CACHE, ("gof", id(engine), model, recipe, int(run_seed)), engine, run)
+
+
+def logprob_excess(r: LogitsRollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """|reported log-prob − fp64 log_softmax(logits)[token]| and its fp32 bound (B, N) each."""
+    want = torch.log_softmax(r.logits.double(), -1).gather(-1, r.new[..., None]).squeeze(-1)
+    err = (r.logprobs.double() - want).abs()
+    err[torch.isnan(err) | ~torch.isfinite(want)] = math.inf  # a token of probability 0 was drawn
+    bound = tolerances.rollout_logprob_fp32_bound(r.logits, r.new)
+    return err, torch.where(torch.isfinite(want), bound, 0.0)
+
+
+def argmax_violations(r: LogitsRollout) -> torch.Tensor:
+    """Positions (B, N) bool where the greedy token is not maximal in its logits row (ties: any maximal token)."""
+    tok = r.logits.gather(-1, r.new[..., None]).squeeze(-1)
+    return tok < r.logits.amax(-1)
+
+
+def pit_values(r: LogitsRollout, seed: int) -> torch.Tensor:
+    """Randomized probability integral transform of every sampled token under its row's softmax (fp64), the
+    vocabulary ordered by decreasing probability (ties by token id): U = P(before t) + W·p_t, W ~ U(0, 1) from a
+    generator seeded with ``seed``. i.i.d. Uniform(0, 1) when each token is drawn from its row."""
+    p = torch.softmax(r.logits.double(), -1).reshape(-1, r.logits.shape[-1])
+    t = r.new.reshape(-1)
+    pt = p.gather(-1, t[:, None])
+    ids = torch.arange(p.shape[-1])
+    before = (p > pt) | ((p == pt) & (ids[None, :] < t[:, None]))
+    w = torch.rand(t.shape[0], generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+    return ((p * before).sum(-1) + w * pt.squeeze(-1)).clamp(0.0, 1.0)
+
+
+def ks_uniform(u: torch.Tensor) -> float:
+    """Kolmogorov–Smirnov distance of the empirical CDF of ``u`` from Uniform(0, 1)."""
+    x = u.double().sort().values
+    n = x.numel()
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return float(torch.maximum(i / n - x, x - (i - 1) / n).max())
+
+
+def gof_tv_allowance(r: LogitsRollout) -> float:
+    """Total-variation allowance of the GoF threshold: fp32 log-softmax rounding (exp(max bound) − 1 over every row)
+    plus a sampler's fp32 random numbers (V·2^-23); see the tolerance ``rollout_gof``."""
+    b = float(tolerances.rollout_logprob_fp32_bound(r.logits).max())
+    return math.expm1(b) + r.logits.shape[-1] * 2.0**-23
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # report section
 
 
@@ -194,7 +359,7 @@ def mismatch_section(engine: Any, run_seed: int = 0) -> dict[str, Any]:
     prestart(engine)
     for model in MODELS:
         series: dict[str, list[float]] = {}
-        for recipe in RECIPES:
+        for recipe in recipes_for(model):
             reason = capability_reason(engine, f"rollout.{recipe}")
             if reason is not None:
                 notes.append(f"{model}/{recipe}: not run ({reason})")

@@ -8,18 +8,29 @@ entries ``e2e.*``, registered from the data file ``fp8rl/data/e2e_budgets.json``
 ``python -m fp8rl.conformance._e2e --seeds 10 --write`` writes).
 After ``update_weights`` the rollout must follow the new weights, including freshly calibrated FP8 KV scales.
 The report gets a ``mismatch`` section: the table per model and recipe and a plot of |Δlogp| along the sequence.
+The architecture-variant fixtures (``tiny-qwen2-moe``: shared expert + gate, no QK-norm, q/k/v biases;
+``tiny-qwen3-tied-odd``: tied embeddings, no projection dimension a multiple of 128) run the ``bf16`` and ``fp8-all``
+recipes.
+
+Self-consistency (capability ``rollout.logits``: the engine exposes the logits it sampled from): the log-probs it
+reports are the fp32 log-softmax of those logits at the token; greedy tokens are maximal in their row; sampled
+tokens follow softmax(logits) (a goodness-of-fit test with a stated false-alarm rate). They need no trainer: they
+judge the engine against itself.
 """
 
 from __future__ import annotations
 
 import pytest
-from fp8rl import fixtures
+import torch
+from fp8rl import fixtures, tolerances
 from fp8rl.checks import check, record_metrics, record_section
 from fp8rl.reference import rollout as R
 
 from . import _e2e as E
 
-CASES = pytest.mark.parametrize("model,recipe", [(m, r) for m in E.MODELS for r in E.RECIPES])
+CASES = pytest.mark.parametrize("model,recipe", E.CASES)
+#: the goodness-of-fit cases: every model, BF16 (the sampler is the engine's, whatever the numerics recipe)
+GOF_CASES = pytest.mark.parametrize("model,recipe", [(m, "bf16") for m in E.MODELS])
 
 
 def _record(res: E.CaseResult) -> None:
@@ -82,3 +93,84 @@ def test_update_weights_follow_new_policy(engine, model, recipe, run_seed):
         f"after update_weights the rollout does not follow the new policy: vs step 1 {'; '.join(bad) or 'within budget'}"
         f" (mean |dlogp| {new['mean_abs_dlogp']:.3g}); vs step 0 k3 KL {old['k3_kl']:.3g}, mean |dlogp| "
         f"{old['mean_abs_dlogp']:.3g}\n  {E.fmt_case(res)}")
+
+
+@CASES
+@check("E2E-LOGITS-001", "rollout_logits returns the same tokens and log-probs as rollout for the same prompts, "
+       "length, mode and seed (greedy and sampled, bit for bit): the logits it exposes are those of the rollout.",
+       requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
+def test_rollout_logits_reproduce_rollout_exact(engine, model, recipe, run_seed):
+    lc = E.logits_case(engine, model, recipe, run_seed=run_seed)
+    bad = []
+    for mode, got, (tok, lp) in (("greedy", lc.greedy, lc.rollout_greedy), ("sampled", lc.sampled, lc.rollout_sampled)):
+        if not torch.equal(got.tokens, tok):
+            diff = (got.tokens != tok).nonzero()
+            bad.append(f"{mode}: {len(diff)} tokens differ (first at (row, position) {diff[0].tolist()})")
+        elif not torch.equal(got.logprobs.view(torch.int32), lp.view(torch.int32)):
+            d = (got.logprobs.double() - lp.double()).abs()
+            bad.append(f"{mode}: {int((d > 0).sum())} log-probs differ (max |diff| {float(d.max()):.3g})")
+    record_metrics(mismatch_frac=float(len(bad)) / 2)
+    assert not bad, f"{model} {recipe}: rollout_logits is not the rollout: " + "; ".join(bad)
+
+
+@CASES
+@check("E2E-LOGPROB-001", "Every log-prob a rollout reports (greedy and sampled, 8 prompts x 20 tokens) is the fp32 "
+       "log-softmax, at the token, of the logits the engine drew that token from, within the fp32 evaluation "
+       "bound: no other temperature, no BF16 log-softmax, no stale logits.", bound="rollout_logprob_fp32",
+       requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
+def test_rollout_logprobs_are_log_softmax_bound(engine, model, recipe, run_seed):
+    lc = E.logits_case(engine, model, recipe, run_seed=run_seed)
+    msgs, worst = [], 0.0
+    for mode, r in (("greedy", lc.greedy), ("sampled", lc.sampled)):
+        err, bound = E.logprob_excess(r)
+        ratio = err / bound.clamp_min(1e-300)
+        worst = max(worst, float(ratio.max()))
+        over = ~(err <= bound)
+        if bool(over.any()):
+            i = int(ratio.reshape(-1).argmax())
+            b, t = divmod(i, ratio.shape[1])
+            want = float(torch.log_softmax(r.logits[b, t].double(), -1)[r.new[b, t]])
+            msgs.append(f"{mode}: {int(over.sum())}/{over.numel()} log-probs off (worst at row {b}, token {t}: "
+                        f"reported {float(r.logprobs[b, t]):.7g}, log_softmax {want:.7g}, |diff| "
+                        f"{float(err[b, t]):.3g} > bound {float(bound[b, t]):.3g})")
+    record_metrics(err_over_bound=worst)
+    assert not msgs, f"{model} {recipe}: reported log-probs are not the fp32 log-softmax of the logits: " + \
+        "; ".join(msgs)
+
+
+@CASES
+@check("E2E-ARGMAX-001", "Every greedy token is a maximal entry of the logits row it was chosen from (8 prompts x "
+       "20 tokens; ties: any of the tied maxima, compared exactly in the reported fp32 values).",
+       requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
+def test_greedy_tokens_are_argmax_exact(engine, model, recipe, run_seed):
+    r = E.logits_case(engine, model, recipe, run_seed=run_seed).greedy
+    bad = E.argmax_violations(r)
+    record_metrics(mismatch_frac=float(bad.double().mean()))
+    if bool(bad.any()):
+        b, t = bad.nonzero()[0].tolist()
+        row = r.logits[b, t]
+        top2 = row.topk(2)
+        raise AssertionError(
+            f"{model} {recipe}: {int(bad.sum())}/{bad.numel()} greedy tokens are not the argmax of their logits "
+            f"(first at row {b}, token {t}: chose {int(r.new[b, t])} with logit {float(row[r.new[b, t]]):.7g}, "
+            f"max {float(top2.values[0]):.7g} at {int(top2.indices[0])}, second {float(top2.values[1]):.7g})")
+
+
+@GOF_CASES
+@check("E2E-GOF-001", "Sampled tokens follow the distribution the engine reports: over 8192 draws (the 8 fixed "
+       "prompts x 64 copies in one batch, 16 tokens each, temperature 1), the randomized probability integral "
+       "transforms under the reported softmax(logits) pass a Kolmogorov-Smirnov test against Uniform(0, 1) at "
+       "false-alarm rate 1e-6 (DKW bound): no hidden temperature, top-k/top-p truncation or shared random streams "
+       "across a group.", bound="rollout_gof", requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
+def test_samples_follow_reported_distribution_stat(engine, model, recipe, run_seed):
+    r = E.gof_rollout(engine, model, recipe, run_seed=run_seed)
+    u = E.pit_values(r, seed=0x5EED + int(run_seed))
+    d = E.ks_uniform(u)
+    n = u.numel()
+    eps = tolerances.rollout_gof_threshold(n, E.gof_tv_allowance(r))
+    record_metrics(ks_d=d, ks_threshold=eps, err_over_bound=d / eps)
+    assert d <= eps, (
+        f"{model} {recipe}: sampled tokens do not follow the reported distribution: KS distance of the {n} PIT "
+        f"values from uniform {d:.4f} > {eps:.4f} (false-alarm rate {tolerances.get('rollout_gof').value:g}); mean "
+        f"PIT {float(u.mean()):.4f} (0.5 expected; < 0.5: mass moved to likely tokens, e.g. a lower temperature or "
+        f"top-k/top-p truncation)")

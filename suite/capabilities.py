@@ -24,7 +24,8 @@ ROLLOUT_RECIPES = tuple(RECIPES)
 
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
-_ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy")
+_ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy",
+                "_rollout_policy_class")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ def _table() -> dict[str, Capability]:
     ]
     rows += [Capability(f"rollout.{r}", "e2e", _ROLLOUT_OPS, f"rollouts under the {r} numerics recipe")
              for r in ROLLOUT_RECIPES]
+    rows.append(Capability("rollout.logits", "e2e", ("rollout_logits",) + _ROLLOUT_OPS,
+                           "rollout_logits: a rollout that also returns the fp32 logits each token was drawn from "
+                           "(the self-consistency checks: log-probs, greedy argmax, goodness of fit)"))
     return {c.key: c for c in rows}
 
 

@@ -192,7 +192,7 @@ class CorrectionOps:
 
 class RolloutOps:
     """Areas ``weight_sync`` and ``e2e`` (capabilities ``weight_sync``, ``rollout``, ``update_weights``,
-    ``rollout.<recipe>``).
+    ``rollout.<recipe>``, ``rollout.logits``).
 
     Recipes: ``bf16``, ``fp8-linear`` (W8A8 blockwise linear layers: 128×128 weights, dynamic 1×128 activations),
     ``fp8-linear-ptpc`` (per-channel weights, per-token activations), ``fp8-kv`` (FP8 e4m3fn KV cache, per-tensor
@@ -205,13 +205,16 @@ class RolloutOps:
     name: str
 
     def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
-        """The tensors this engine's per-step weight sync loads, for a BF16 checkpoint-named ``state_dict``.
+        """The tensors this engine's per-step weight sync loads, for a checkpoint-named ``state_dict`` of BF16
+        weights or of the trainer's fp32 master weights (cast to BF16 first: an fp32 state dict syncs bit for bit
+        like its BF16 cast).
 
         Quantized weights (q/k/v/o_proj, gate/up/down_proj, dense or per expert): ``name`` → FP8 tensor
         (``torch.float8_e4m3fn``) of the weight's shape, plus ``name + "_scale_inv"`` → fp32 **dequant** scales of
         shape (⌈N/128⌉, ⌈K/128⌉) (128×128 blocks, DeepSeek/vLLM convention), quantized with the engine's declared
-        ``scale_policy("block")`` after a cast to BF16. Everything else — embeddings, ``lm_head``, every norm, the
-        MoE router ``mlp.gate`` — is returned unchanged in BF16. No other keys.
+        ``scale_policy("block")`` after a cast to BF16; a shared expert's projections (``mlp.shared_expert.*``)
+        too. Everything else — embeddings, ``lm_head``, every norm, biases, the MoE router ``mlp.gate``, the
+        shared-expert gate ``mlp.shared_expert_gate`` — is returned unchanged in BF16. No other keys.
         """
         raise Unsupported(f"{self.name} has no weight_sync op")
 
@@ -225,7 +228,8 @@ class RolloutOps:
     def rollout(self, handle: Any, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
                 seed: int = 0) -> Any:
         """Fixed-length generation from ``prompts`` (B, P) int64 (no padding; EOS ignored): greedy (argmax) or
-        sampled at temperature 1 from the full distribution (no top-k/top-p), seeded by ``seed``.
+        sampled at temperature 1 from the full distribution (no top-k/top-p), seeded by ``seed``. The rows are
+        independent draws: identical prompts in one batch (a GRPO group) get independent samples.
 
         Returns ``(tokens, logprobs)`` (a tuple or ``fp8rl.reference.rollout.RolloutOutput``): tokens (B, P + N)
         int64 starting with the prompts, and logprobs (B, N) float32 = log π_rollout(token) of each generated token
@@ -233,6 +237,26 @@ class RolloutOps:
         ``logprobs=0``).
         """
         raise Unsupported(f"{self.name} has no rollout op")
+
+    def rollout_logits(self, handle: Any, prompts: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
+                       seed: int = 0) -> Any:
+        """:meth:`rollout` that also exposes the distribution each token was drawn from (capability
+        ``rollout.logits``; engines that cannot expose it leave the capability unavailable with the reason).
+
+        The same generation as ``rollout(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)`` — the same
+        tokens and log-probs, bit for bit — returned as ``(tokens, logprobs, logits)`` with ``logits`` (B, N, V)
+        float32: at each generated position, the logits the engine sampled that token from (greedy: took the
+        argmax of), i.e. what the sampler saw after everything applied before it — at temperature 1 and without
+        top-k/top-p, the model's output logits. They are logits *of the generation itself*, not a re-scoring of
+        the tokens (a teacher-forced forward differs from incremental decoding by rounding). Only their
+        log-softmax matters: any per-row additive constant is allowed, e.g. the full fp32 log-prob vectors (vLLM
+        ``logprobs=-1``).
+
+        The e2e checks demand: each reported log-prob is the fp32 log-softmax of its row at the token (tolerance
+        ``rollout_logprob_fp32``); a greedy token is maximal in its row (any of tied maxima); sampled tokens follow
+        softmax(row), rows independent (a goodness-of-fit test, ``rollout_gof``).
+        """
+        raise Unsupported(f"{self.name} has no rollout_logits op")
 
     def update_weights(self, handle: Any, state_dict: Any) -> Any:
         """Load new BF16 weights into a running policy (the per-RL-step sync; re-quantized for FP8 linears) and

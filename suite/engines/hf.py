@@ -49,6 +49,7 @@ class HFEngine(Engine):
             "rollout": rollout,
             "update_weights": rollout,
             "rollout.bf16": rollout,
+            "rollout.logits": rollout,
             "rollout.fp8-linear": _FP8_REASON.format(what="W8A8 linear"),
             "rollout.fp8-linear-ptpc": _FP8_REASON.format(what="W8A8 per-channel/per-token linear"),
             "rollout.fp8-kv": _FP8_REASON.format(what="KV-cache"),
@@ -74,6 +75,10 @@ class HFEngine(Engine):
             if bar:
                 hf_logging.enable_progress_bar()
         model.eval().requires_grad_(False)
+        # fixed-length rollouts: generate() merges a passed GenerationConfig's unset (None) fields with the model's,
+        # so eos_token_id=None there still stops a row at the checkpoint's EOS (token 0) and pads the rest with
+        # pad_token_id; clear it on the model itself
+        model.generation_config.eos_token_id = None
         return model
 
     def rollout_init(self, config, state_dict, recipe):
@@ -92,18 +97,29 @@ class HFEngine(Engine):
         return handle
 
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
-        from fp8rl.reference.rollout import RolloutOutput, single_thread
+        from fp8rl.reference.rollout import RolloutOutput
+
+        tokens, logprobs, _ = self.rollout_logits(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)
+        return RolloutOutput(tokens, logprobs)
+
+    def rollout_logits(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        """``generate(do_sample=not greedy, temperature=1, top_k=0, top_p=1)`` with ``output_scores``: the scores
+        are the logits after generate's logits processors — what it sampled from (with these settings none
+        applies: the raw logits); log-probs = fp32 log_softmax of them at the tokens. top_k=0 and top_p=1.0 are
+        explicit so that a ``generation_config.json`` default (historically top_k=50) cannot truncate sampling, and
+        the model's EOS is cleared at load (fixed length: a row that emits EOS goes on decoding)."""
+        from fp8rl.reference.rollout import single_thread
         from transformers import GenerationConfig
 
-        gc = GenerationConfig(max_new_tokens=int(max_new_tokens), do_sample=not greedy, temperature=1.0,
-                              eos_token_id=None, pad_token_id=0, output_logits=True,
-                              return_dict_in_generate=True)
+        sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        gc = GenerationConfig(max_new_tokens=int(max_new_tokens), do_sample=not greedy, eos_token_id=None,
+                              pad_token_id=0, output_scores=True, return_dict_in_generate=True, **sampling)
         with single_thread(), torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(int(seed))
             out = handle.model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
                                         generation_config=gc)
         tokens = out.sequences
         new = tokens[:, prompts.shape[1]:]
-        logits = torch.stack(out.logits, dim=1).float()
+        logits = torch.stack(out.scores, dim=1).float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)
-        return RolloutOutput(tokens, logprobs)
+        return tokens, logprobs, logits

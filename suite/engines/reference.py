@@ -180,6 +180,8 @@ class ReferenceEngine(Engine):
     # (transformers model classes, emulated FP8 numerics) running on this engine's weight_sync output, with
     # activations quantized under scale_policy("group"); the PTPC recipe (fp8-linear-ptpc) quantizes the BF16 weights
     # per channel under scale_policy("channel") and activations per token under scale_policy("token").
+    # rollout_logits (rollout.logits) exposes the fp32 logits of every decoding step (RolloutPolicy.decode_step);
+    # _rollout_policy_class lets a subclass swap the policy class (the e2e mutants' samplers).
 
     #: weight-sync results of the oracle quantizer, shared by every instance: (weights digest, recipe) → tensors
     _E2E_SYNC_MEMO: dict = {}
@@ -210,10 +212,17 @@ class ReferenceEngine(Engine):
             ReferenceEngine._E2E_SYNC_MEMO[key] = hit
         return dict(hit)
 
-    def rollout_init(self, config, state_dict, recipe):
-        from fp8rl.reference.rollout import get_recipe
+    def _rollout_policy_class(self):
+        """The rollout policy class (a subclass of :class:`~fp8rl.reference.rollout_hf.RolloutPolicy`, e.g. with
+        another ``decode_step``)."""
         from fp8rl.reference.rollout_hf import RolloutPolicy
 
+        return RolloutPolicy
+
+    def rollout_init(self, config, state_dict, recipe):
+        from fp8rl.reference.rollout import get_recipe
+
+        RolloutPolicy = self._rollout_policy_class()
         r = get_recipe(recipe)
         synced = self.weight_sync(state_dict) if r.synced_weights else None
         if r.fp8_linear and not r.synced_weights:  # PTPC: per-channel weights, per-token activations
@@ -223,6 +232,11 @@ class ReferenceEngine(Engine):
 
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
         return handle.generate(prompts, max_new_tokens, greedy=greedy, seed=seed)
+
+    def rollout_logits(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        """``RolloutPolicy.generate_with_logits``: the tokens and log-probs of :meth:`rollout` plus the fp32 logits
+        (BF16 lm_head output, upcast) each step drew from."""
+        return handle.generate_with_logits(prompts, max_new_tokens, greedy=greedy, seed=seed)
 
     def update_weights(self, handle, state_dict):
         synced = self.weight_sync(state_dict) if handle.recipe.synced_weights else None

@@ -39,7 +39,7 @@ def test_budgets_file_is_package_data_and_registers_every_budget():
     assert any(fnmatch.fnmatch(T.E2E_BUDGETS_FILE, pat) for pat in pkg), pkg
     doc = T.load_e2e_budgets()
     assert doc["method"] and "--write" in doc["method"] and "--write" in T.get("e2e_mismatch").derivation
-    assert {(m, r) for m, rs in doc["measured"].items() for r in rs} == {(m, r) for m in E.MODELS for r in E.RECIPES}
+    assert {(m, r) for m, rs in doc["measured"].items() for r in rs} == set(E.CASES)
     for model, recipes in doc["measured"].items():
         for recipe, entry in recipes.items():
             assert entry["calibration"] in doc["calibrations"]
@@ -47,8 +47,9 @@ def test_budgets_file_is_package_data_and_registers_every_budget():
                 st = entry[metric]
                 want = T.e2e_budget_value(metric, (st["min"], st["median"], st["max"]), margin)
                 assert T.get(f"e2e.{metric}.{model}.{recipe}").value == want == T.e2e_budget(metric, model, recipe)
-    assert T.E2E_MEASURED[("tiny-qwen3", "fp8-linear")]["k3_kl"] == (0.01022, 0.01769, 0.03046)
-    assert T.get("e2e.k3_kl.tiny-qwen3.fp8-linear").value == 2.0 * 0.03046
+    # every case is calibrated on 10 weight seeds x 2 variants x 20 sampling seeds (the held-out design)
+    assert {st["n"] for rs in doc["measured"].values() for e in rs.values() for k, st in e.items()
+            if k != "calibration"} == {400}
 
 
 def _fake_samples(models, recipes, n_runs):
@@ -146,17 +147,25 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(tmp_path):
                         "--area", "e2e", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = _report(tmp_path / "report.json")
-    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 38
+    from fp8rl.conformance import _e2e as E
+
+    # weight_sync: 5 checks x 4 fixtures; e2e: 6 checks per (model, recipe) case (14) + the GoF check per model
+    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 5 * 4 + 6 * 14 + 4
     assert {c["area"] for c in rep["checks"]} == {"weight_sync", "e2e"}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]
-    assert [(row[0], row[1]) for row in rows] == [(m, r) for m in ("tiny-qwen3", "tiny-qwen3-moe")
-                                                 for r in RECIPES]
+    assert [(row[0], row[1]) for row in rows] == list(E.CASES)
+    assert {(m, r) for m, r in E.CASES if m not in ("tiny-qwen3", "tiny-qwen3-moe")} == \
+        {(m, r) for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd") for r in ("bf16", "fp8-all")}
     k3 = {(row[0], row[1]): row[2] for row in rows}
     for m in ("tiny-qwen3", "tiny-qwen3-moe"):  # FP8 linear layers move the policy far more than BF16 decoding
         assert k3[(m, "fp8-linear")] > 10 * k3[(m, "bf16")] and k3[(m, "fp8-linear-ptpc")] > 10 * k3[(m, "bf16")]
+    for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd"):
+        assert k3[(m, "fp8-all")] > 10 * k3[(m, "bf16")]
+    gof = [c for c in rep["checks"] if c["id"] == "E2E-GOF-001"]
+    assert len(gof) == 4 and all(c["metrics"]["ks_d"] < c["metrics"]["ks_threshold"] for c in gof)
     plots = sec["plot"]
-    assert len(plots) == 2 and all(set(p["series"]) == set(RECIPES) for p in plots)
+    assert len(plots) == 4 and [set(p["series"]) for p in plots] == [set(E.recipes_for(m)) for m in E.MODELS]
     assert all(len(ys) == len(p["x"]) == 20 for p in plots for ys in p["series"].values())
     html = (tmp_path / "report.html").read_text()
     assert "FP8 rollout vs BF16 trainer" in html
@@ -164,10 +173,14 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(tmp_path):
 
 def test_hf_engine_runs_bf16_and_declares_fp8_unavailable(tmp_path):
     r = _pytest(["--fp8rl-engine", "fp8rl.engines.hf:HFEngine", "--fp8rl-report-dir", str(tmp_path),
-                 "-k", "test_weight_sync_names or test_mismatch_budget or (test_update_weights and bf16)"])
+                 "-k", "test_weight_sync_names or test_mismatch_budget or (test_update_weights and bf16) or "
+                       "(test_greedy_tokens_are_argmax and tiny-qwen3-moe-bf16)"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = _report(tmp_path / "report.json")
     by = {(c["id"], c["case"]): c for c in rep["checks"]}
+    # fixed length: transformers' generate() would stop a row at the checkpoint's EOS and pad it with token 0 (not
+    # the argmax) unless the adapter clears the model's eos_token_id (7 of 160 greedy tokens on this case)
+    assert by[("E2E-ARGMAX-001", "tiny-qwen3-moe-bf16")]["outcome"] == "passed"
     for model in ("tiny-qwen3", "tiny-qwen3-moe"):
         assert by[("E2E-MISMATCH-001", f"{model}-bf16")]["outcome"] == "passed"
         assert by[("E2E-UPDATE-001", f"{model}-bf16")]["outcome"] == "passed"
@@ -175,4 +188,77 @@ def test_hf_engine_runs_bf16_and_declares_fp8_unavailable(tmp_path):
             c = by[("E2E-MISMATCH-001", f"{model}-{recipe}")]
             assert c["outcome"] == "skipped" and "BF16 only" in c["message"]
         assert by[("WSYNC-NAMES-001", model)]["outcome"] == "skipped"
-    assert [row[1] for row in rep["sections"]["mismatch"]["table"]["rows"]] == ["bf16", "bf16"]
+    assert [row[1] for row in rep["sections"]["mismatch"]["table"]["rows"]] == ["bf16"] * 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the self-consistency checks' instruments (E2E-LOGPROB-001, E2E-ARGMAX-001, E2E-GOF-001) on synthetic rollouts
+
+
+def _synthetic(n_rows: int, n_new: int, vocab: int, seed: int, temperature: float = 1.0, top_k: int | None = None):
+    """A LogitsRollout whose tokens are drawn from softmax(logits / temperature) (optionally top-k truncated) with
+    fp32 log-probs of temperature 1: the correct engine at temperature 1 without top-k."""
+    import torch
+    from fp8rl.conformance import _e2e as E
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (3.0 * torch.randn(n_rows, n_new, vocab, generator=g)).to(torch.bfloat16).float()
+    w = logits / temperature
+    if top_k is not None:
+        kth = w.topk(top_k, -1).values[..., -1:]
+        w = w.masked_fill(w < kth, -float("inf"))
+    tok = torch.multinomial(torch.softmax(w, -1).reshape(-1, vocab), 1, generator=g).reshape(n_rows, n_new)
+    lp = torch.log_softmax(logits, -1).gather(-1, tok[..., None]).squeeze(-1)
+    tokens = torch.cat([torch.zeros(n_rows, 2, dtype=torch.int64), tok], 1)
+    return E.LogitsRollout(tokens, lp, logits, 2)
+
+
+def test_gof_false_alarm_threshold_and_power_stat():
+    """Massart's DKW threshold: sqrt(ln(2/alpha) / 2n) (0.0298 at n = 8192, alpha = 1e-6); correct draws pass with
+    room on several seeds, temperature 0.7 and top-50 truncation fail, and the stated power bound follows."""
+    import math
+
+    from fp8rl import tolerances as T
+    from fp8rl.conformance import _e2e as E
+
+    assert T.rollout_gof_threshold(8192) == pytest.approx(math.sqrt(math.log(2e6) / 16384))
+    assert 0.0297 < T.rollout_gof_threshold(8192) < 0.0298
+    for seed in range(3):
+        r = _synthetic(512, 16, 512, seed)
+        eps = T.rollout_gof_threshold(8192, E.gof_tv_allowance(r))
+        assert E.gof_tv_allowance(r) < 1e-3 and E.ks_uniform(E.pit_values(r, seed)) < eps / 2
+    for kw in ({"temperature": 0.7}, {"top_k": 50}):
+        r = _synthetic(512, 16, 512, 5, **kw)
+        assert E.ks_uniform(E.pit_values(r, 0)) > T.rollout_gof_threshold(8192, E.gof_tv_allowance(r)), kw
+    assert T.rollout_gof_power(8192, 0.06, 0.03) > 0.999 and T.rollout_gof_power(8192, 0.02, 0.03) == 0.0
+
+
+def test_logprob_bound_holds_for_fp32_and_fails_for_bf16_bound():
+    import torch
+    from fp8rl import tolerances as T
+
+    r = _synthetic(64, 8, 512, 1)
+    from fp8rl.conformance import _e2e as E
+
+    err, bound = E.logprob_excess(r)
+    assert bool((err <= bound).all()) and float(bound.max()) < 1e-4
+    lp16 = torch.log_softmax(r.logits.to(torch.bfloat16), -1).float().gather(-1, r.new[..., None]).squeeze(-1)
+    err16, _ = E.logprob_excess(E.LogitsRollout(r.tokens, lp16, r.logits, 2))
+    assert float((err16 > bound).double().mean()) > 0.5
+    # a -inf entry (a masked token) does not widen the other tokens' bound, and drawing it is a violation
+    x = r.logits.clone()
+    x[..., -1] = -float("inf")
+    drawn = r.new == x.shape[-1] - 1
+    assert bool(drawn.any()) and bool(torch.isfinite(T.rollout_logprob_fp32_bound(x, r.new))[~drawn].all())
+    err, bound = E.logprob_excess(E.LogitsRollout(r.tokens, r.logprobs, x, 2))
+    assert bool((err > bound)[drawn].all())
+
+
+def test_argmax_violations_accept_ties_only():
+    import torch
+    from fp8rl.conformance import _e2e as E
+
+    logits = torch.tensor([[[1.0, 3.0, 3.0, 0.0], [2.0, 1.0, 1.999, 0.0]]])
+    for toks, want in (([1, 0], [False, False]), ([2, 0], [False, False]), ([0, 2], [True, True])):
+        r = E.LogitsRollout(torch.tensor([[9, *toks]]), torch.zeros(1, 2), logits, 1)
+        assert E.argmax_violations(r).tolist() == [want]

@@ -11,6 +11,7 @@ attention layers use; ``python -m fp8rl.engines.vllm`` measures the vLLM-only co
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any
 
@@ -21,7 +22,14 @@ from ._common import _vllm_version, vllm_reason
 
 #: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
 CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
-                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all")
+                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.logits")
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The per-request seed of row ``row`` of a batch sampled with ``seed``: vLLM seeds one generator per request,
+    so one seed for every request would give the copies of a prompt (a GRPO group) identical samples; the protocol's
+    rows are independent draws."""
+    return int(seed) * 1_000_003 + int(row)
 
 
 class VllmLLMMixin:
@@ -30,7 +38,7 @@ class VllmLLMMixin:
     @staticmethod
     def _caps_e2e(v: str) -> CapabilityMap:
         caps: CapabilityMap = {"rollout": True, "update_weights": True, "rollout.bf16": True,
-                               "rollout.fp8-kv": True, "rollout.fp8-linear-ptpc": True}
+                               "rollout.fp8-kv": True, "rollout.fp8-linear-ptpc": True, "rollout.logits": True}
         caps["weight_sync"] = (f"vllm {v}: no 128x128 block weight sync on CPU: quantization='fp8_per_block' "
                                "fails to load without AMX")
         caps["rollout.fp8-linear"] = (f"vllm {v} on CPU: W8A8 block-FP8 linear (128x128 weights, 1x128 activations) "
@@ -99,7 +107,8 @@ class VllmLLMMixin:
                         atexit.register(_shutdown_all)
                         _ATEXIT.append(True)
                 llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-                          skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, **kwargs)
+                          skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16,
+                          max_logprobs=-1, **kwargs)
                 with _LLM_LOCK:
                     entry = _LLMS[key] = [llm, digest, d]
             finally:
@@ -173,25 +182,53 @@ class VllmLLMMixin:
         entry[1] = digest_state_dict(dict(state_dict))
         return handle
 
-    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
-        from fp8rl.reference.rollout import RolloutOutput
+    def _generate(self, handle, prompts, max_new_tokens: int, greedy: bool, seed: int, logprobs: int):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = handle["entry"][0]
         n = int(max_new_tokens)
-        sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False,
-                            temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0, seed=int(seed))
+        sps = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=logprobs, detokenize=False,
+                              temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0, seed=row_seed(seed, i),
+                              flat_logprobs=True)
+               for i in range(prompts.shape[0])]
         reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in prompts.tolist()]
-        outs = llm.generate(reqs, sp, use_tqdm=False)
-        toks, lps = [], []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            toks.append(ids)
-            lps.append([float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)])
+        return [o.outputs[0] for o in llm.generate(reqs, sps, use_tqdm=False)]
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        """``LLM.generate`` with ``SamplingParams(temperature=0 or 1, top_k=0, top_p=1, logprobs=0, seed=row_seed(seed,
+        row))``: the reported log-prob of each token is the first entry vLLM's sampler returns (the sampled token's,
+        ``logprobs_mode="raw_logprobs"``: fp32 log_softmax of the model's logits)."""
+        from fp8rl.reference.rollout import RolloutOutput
+
+        outs = self._generate(handle, prompts, max_new_tokens, greedy, seed, logprobs=0)
+        toks = [list(c.token_ids) for c in outs]
+        lps = [[c.logprobs.logprobs[c.logprobs.start_indices[i]] for i in range(len(ids))]
+               for c, ids in zip(outs, toks, strict=True)]
         tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
         return RolloutOutput(tokens, torch.tensor(lps, dtype=torch.float32))
+
+    def rollout_logits(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        """:meth:`rollout` with ``logprobs=-1`` (the LLMs start with ``max_logprobs=-1``): vLLM returns the full
+        vocabulary's raw log-probs at every position (``FlatLogprobs``, the sampled token's entry first), which are
+        returned as the logits (a per-row shift of them: their log-softmax is themselves); the reported log-prob is
+        the sampled token's entry, as in :meth:`rollout`."""
+        v = int(handle["config"]["vocab_size"])
+        outs = self._generate(handle, prompts, max_new_tokens, greedy, seed, logprobs=-1)
+        n = int(max_new_tokens)
+        logits = torch.full((len(outs), n, v), -math.inf, dtype=torch.float32)
+        toks, lps = [], []
+        for b, c in enumerate(outs):
+            flat = c.logprobs
+            ids = list(c.token_ids)
+            toks.append(ids)
+            lps.append([flat.logprobs[flat.start_indices[i]] for i in range(n)])
+            for i in range(n):
+                lo, hi = flat.start_indices[i], flat.end_indices[i]
+                logits[b, i, torch.tensor(flat.token_ids[lo:hi])] = torch.tensor(flat.logprobs[lo:hi],
+                                                                                  dtype=torch.float32)
+        tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
+        return tokens, torch.tensor(lps, dtype=torch.float32), logits
 
 
 #: (config json, recipe) → [LLM, digest of the loaded weights, checkpoint dir]

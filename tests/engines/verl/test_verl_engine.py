@@ -41,9 +41,10 @@ def test_vendor_xfails_file_is_valid():
     entries = parse_id_file(XFAILS)
     assert entries, "verl.xfails has no entries"
     import fp8rl.conformance.test_correction  # noqa: F401  (registers the CORR-* checks)
+    import fp8rl.conformance.test_weight_sync  # noqa: F401  (registers the WSYNC-* checks)
 
     for prefix, reason in entries:
-        assert any(cid.startswith(prefix) for cid in CHECKS), f"stale xfail entry {prefix}"
+        assert any(cid.startswith(prefix.split("[")[0]) for cid in CHECKS), f"stale xfail entry {prefix}"
         assert len(reason) > 40, f"{prefix}: the reason must explain the finding"
 
 
@@ -254,7 +255,7 @@ def test_weight_sync_declared_policy_is_not_the_default(eng):
 def test_finding_name_filter_quantizes_shared_expert_gate(eng):
     """veRL's SGLang/TRT-LLM filter includes any '.weight' containing 'mlp': a Qwen2-MoE-style
     mlp.shared_expert_gate.weight (a (1, hidden) gate, not a projection) is shipped FP8; the spec keeps it BF16.
-    (The tiny fixtures have no shared-expert gate, so no WSYNC check sees it.)"""
+    (WSYNC-EXCL-001 and WSYNC-NAMES-001 see it on the tiny-qwen2-moe fixture.)"""
     from fp8rl.reference import weight_sync as ws
 
     name = "model.layers.0.mlp.shared_expert_gate.weight"
@@ -290,3 +291,23 @@ def test_finding_silent_bf16_fallback_without_process_group(eng):
     assert [(k, v.dtype) for k, v in raw] == [(_Q, torch.bfloat16)]
     got = eng.weight_sync(sd)
     assert got[_Q].dtype == torch.float8_e4m3fn and not dist.is_initialized()
+
+
+@verl_ws_only
+@PIN
+def test_finding_fp32_masters_ship_unquantized_tensors_in_fp32(eng):
+    """quant_weights_by_name casts a weight to BF16 (v.to(dtype)) only when it quantizes it: the other tensors of an
+    fp32 master state dict (embeddings, norms, router, biases, lm_head) are shipped in fp32; the FP8 codes and
+    scales equal the BF16 cast's (WSYNC-MASTER-001 fails on the dtypes only)."""
+    from fp8rl import fixtures
+    from fp8rl.reference import weight_sync as ws
+
+    master = fixtures.master_state_dict("tiny-qwen3-moe")
+    got = eng.weight_sync(dict(master))
+    want = eng.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
+    kept = [k for k in master if k not in ws.quantized_names(master)]
+    assert len(kept) == 13 and all(got[k].dtype == torch.float32 for k in kept)
+    assert all(torch.equal(got[k].to(torch.bfloat16).view(torch.int16), want[k].view(torch.int16)) for k in kept)
+    for k in ws.quantized_names(master):
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+        assert torch.equal(got[ws.scale_name(k)], want[ws.scale_name(k)])

@@ -309,3 +309,29 @@ def test_ptpc_rollout_within_budget_and_weights_bit_exact(eng, monkeypatch):
     moe = fixtures.tiny_model("tiny-qwen3-moe")
     with pytest.raises(Unsupported, match="dynamic_per_token_scaled_fp8_quant"):
         eng.rollout_init(moe.config, moe.state_dict, "fp8-linear-ptpc")
+
+
+@needs_vllm
+@PIN
+def test_one_seed_per_request_gives_a_group_identical_samples_row_seeds_do_not(eng):
+    """vLLM seeds one generator per request: the copies of a prompt sampled with one SamplingParams seed get the same
+    response (a GRPO group with zero variance). The adapter gives row i the seed row_seed(seed, i), so the rows of a
+    batch are independent draws (what E2E-GOF-001 demands); rollout_logits exposes the full raw log-prob vectors."""
+    from fp8rl import fixtures
+    from fp8rl.engines.vllm.llm import row_seed
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    m = fixtures.tiny_model("tiny-qwen3")
+    h = eng.rollout_init(m.config, m.state_dict, "bf16")
+    p = fixtures.prompt_ids(1).repeat(16, 1)
+    sp = SamplingParams(max_tokens=6, min_tokens=6, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0, seed=5,
+                        detokenize=False)
+    outs = h["entry"][0].generate([TokensPrompt(prompt_token_ids=r) for r in p.tolist()], sp, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # vLLM: same seed, same prompt, same sample
+    tokens, lp, logits = eng.rollout_logits(h, p, 6, greedy=False, seed=5)
+    assert len({tuple(r) for r in tokens[:, 12:].tolist()}) > 8 and row_seed(5, 0) != row_seed(5, 1)
+    assert torch.equal(lp, logits.gather(-1, tokens[:, 12:, None]).squeeze(-1))
+    assert float((torch.logsumexp(logits.double(), -1)).abs().max()) < 1e-4  # normalized log-prob vectors
+    t2, lp2 = eng.rollout(h, p, 6, greedy=False, seed=5)
+    assert torch.equal(t2, tokens) and torch.equal(lp2, lp)
