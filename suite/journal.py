@@ -70,8 +70,8 @@ class OpTrace:
         self._fault = (trace_dir / f"{process}.fault").open("w")
         faulthandler.enable(file=self._fault, all_threads=True)
 
-    def enter(self, op: str, nodeid: str = "") -> None:
-        data = json.dumps({"op": op, "nodeid": nodeid, "t": time.time()}).encode()
+    def enter(self, op: str, nodeid: str = "", test_start: float | None = None) -> None:
+        data = json.dumps({"op": op, "nodeid": nodeid, "t": time.time(), "t_test": test_start}).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 
@@ -80,7 +80,7 @@ class OpTrace:
 
 
 _TRACE: dict[str, OpTrace | None] = {}
-_CURRENT_NODE: dict[str, str] = {"nodeid": ""}
+_CURRENT_NODE: dict[str, Any] = {"nodeid": "", "t": None}
 
 
 def start_trace(process: str) -> None:
@@ -91,13 +91,15 @@ def start_trace(process: str) -> None:
 
 
 def set_current_node(nodeid: str) -> None:
+    """Called when a check starts (before its setup: pytest-timeout's timer covers setup too)."""
     _CURRENT_NODE["nodeid"] = nodeid
+    _CURRENT_NODE["t"] = time.time()
 
 
 def enter_op(op: str) -> None:
     t = _TRACE.get("trace")
     if t is not None:
-        t.enter(op, _CURRENT_NODE["nodeid"])
+        t.enter(op, _CURRENT_NODE["nodeid"], _CURRENT_NODE["t"])
 
 
 def leave_op() -> None:
@@ -138,14 +140,18 @@ def describe_death(trace_dir: Path | None, process: str, *, timeout_s: float | N
     fatal = next((f for f in _FATAL if f"Fatal Python error: {f}" in text), None)
     op_file = trace_dir / f"{process}.op"
     raw = op_file.read_text() if op_file.is_file() else ""
-    op, elapsed = None, 0.0
+    op, elapsed, in_check = None, 0.0, 0.0
     try:
         rec = json.loads(raw) if raw else None
         if rec:
-            op, elapsed = str(rec["op"]), time.time() - float(rec["t"])
-    except (json.JSONDecodeError, KeyError, ValueError):
+            now = time.time()
+            op, elapsed = str(rec["op"]), now - float(rec["t"])
+            in_check = now - float(rec["t_test"]) if rec.get("t_test") is not None else elapsed
+    except (json.JSONDecodeError, KeyError, ValueError, TypeError):
         pass
-    hung = op is not None and timeout_s is not None and elapsed >= timeout_s
+    # pytest-timeout's timer starts with the check (its setup included), a moment before the check's start is
+    # recorded here; the op itself may have started seconds later on a loaded machine (slow setup)
+    hung = op is not None and timeout_s is not None and in_check >= 0.9 * timeout_s
     if fatal:
         parts.append(f"fatal signal: {fatal}")
     elif hung:

@@ -152,7 +152,8 @@ def test_signal_mid_run_gives_an_incomplete_report_never_a_pass(tmp_path, sig, i
     if s["total"] == 0:  # the signal came before the run had planned its checks (e.g. while a worker started)
         assert "before any check was planned" in rep["status_detail"]
         return
-    assert s["not_run"] > 0 and s["passed"] + s["not_run"] == s["total"] == 21
+    # nothing failed: every planned check either passed, was skipped with a reason, or did not run
+    assert s["not_run"] > 0 and s["passed"] + s["skipped"] + s["not_run"] == s["total"], s
     assert all(c["message"].startswith(("not run", "interrupted")) for c in rep["checks"]
                if c["outcome"] == "not_run")
     _artifacts_agree(tmp_path, rep)
