@@ -11,6 +11,9 @@ against the oracle (findings in ``conformance/vendors/triton-interpret.xfails``)
   fall into the subnormal range are truncated.
 * fp32 → bf16 (``x.to(tl.bfloat16)``): the rounding mode is dropped (``cast_impl`` passes ``None``), i.e. the
   conversion truncates (round toward zero) where the GPU's ``cvt.rn.bf16.f32`` rounds to nearest even.
+* fp8 e4m3fn → fp32 (``.to(tl.float32)``, and inside ``tl.dot``): the NaN codes 0x7f/0xff decode to ±480 (the bits
+  read as plain e4m3, without the fn format's NaN rule) where the GPU and torch give NaN. Up-conversions are outside
+  the workaround below, so a kernel fed a NaN code computes with 480 (the SGLang gemm's NaN-code xfails).
 
 **Workaround ``faithful-downcast``** (explicit, opt-in per op, named in every report that relies on it through
 :data:`WORKAROUND_NOTE`): float → float *down*-conversions to bf16 / fp16 / fp8 e4m3fn / fp8 e5m2 with RTNE (or an

@@ -263,8 +263,12 @@ class SglangEngine(Engine):
         flat = x.detach().reshape(1, -1).contiguous()
         with _triton_interp.conversions("faithful"):
             if x.dtype in (torch.bfloat16, torch.float16):
+                # fp8_quantize's kernel spans a row with tl.arange(0, N): N must be a power of two (a Triton rule,
+                # compiled or interpreted). The cast is elementwise, so the adapter casts rows of 128, zero-padded.
+                n = flat.numel()
+                rows = torch.nn.functional.pad(flat, (0, -n % 128)).reshape(-1, 128)
                 dt = torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2
-                q = ns.fq.fp8_quantize(flat, scale_inv=1.0, fp8_dtype=dt)
+                q = ns.fq.fp8_quantize(rows, scale_inv=1.0, fp8_dtype=dt).reshape(1, -1)[:, :n]
             elif fmt == "e4m3fn":
                 q, _ = ns.qk.static_quant_fp8(flat.to(torch.float32), torch.ones(1, dtype=torch.float32))
             else:

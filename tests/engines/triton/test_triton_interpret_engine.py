@@ -60,6 +60,39 @@ def test_raw_interpreter_overflow_and_nan_exact():
     assert _cast_values(FAITHFUL, [68812.8, float("inf")], "e5m2") == [57344.0, 57344.0]
 
 
+def test_interpreter_upcasts_e4m3fn_nan_code_to_480_exact():
+    # the up-conversion is outside the faithful-downcast workaround: e4m3fn's NaN codes 0x7f/0xff decode to ±480
+    # (the bit pattern read as plain e4m3, no fn NaN rule), in a plain .to(tl.float32) and inside tl.dot. torch (the
+    # oracle's peer here) decodes them to NaN. GEMM-SPACE-001's NaN-code classes on SGLang fail because of this.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def upcast(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, tl.load(x_ptr + i).to(tl.float32))
+
+    @triton.jit
+    def dot16(a_ptr, b_ptr, o_ptr):
+        i = tl.arange(0, 16)
+        a = tl.load(a_ptr + i[:, None] * 16 + i[None, :])
+        b = tl.load(b_ptr + i[:, None] * 16 + i[None, :])
+        tl.store(o_ptr + i[:, None] * 16 + i[None, :], tl.dot(a, b))
+
+    codes = torch.tensor([0x7F, 0xFF, 0x7E, 0x01], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.isnan(codes.float()[:2]).all()  # torch: NaN
+    for mode in ("raw", "faithful"):
+        with TI.conversions(mode):
+            out = torch.empty(4)
+            upcast[(1,)](codes, out, N=4)
+            assert out.tolist() == [480.0, -480.0, 448.0, 2.0**-9]
+            a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+            a.view(torch.uint8)[0, 0] = 0x7F
+            o = torch.empty(16, 16)
+            dot16[(1,)](a, torch.ones(16, 16).to(torch.float8_e4m3fn), o)
+            assert o[0].tolist() == [495.0] * 16 and o[1].tolist() == [16.0] * 16  # 480 + 15, not NaN
+
+
 def test_raw_interpreter_truncates_fp32_to_bf16_exact():
     x = torch.tensor([1.0 + 2.0 ** -8 + 2.0 ** -9, 1.0 + 2.0 ** -7 + 2.0 ** -8 + 2.0 ** -10],
                      dtype=torch.float32)  # both round up under RNE (dropped part > half an ulp)
