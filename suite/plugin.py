@@ -239,7 +239,8 @@ def _deselect(config: pytest.Config, items: list[pytest.Item], checks: list, kee
     drop = [it for it, _ in checks if id(it) not in kept]
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = [it for it in items if id(it) not in {id(d) for d in drop}]
+        dropped = {id(d) for d in drop}
+        items[:] = [it for it in items if id(it) not in dropped]
     return keep
 
 
@@ -278,11 +279,29 @@ def engine_names(config: pytest.Config) -> list[str]:
     return config.getoption("--fp8rl-engine") or [DEFAULT_ENGINE]
 
 
+def _engines_for(spec: CheckSpec, names: list[str], matrix: str) -> list[str]:
+    """The engines a check is generated for: every engine, except mutants the mutant matrix leaves out (a run over
+    all mutants would otherwise collect every check once per mutant: 60,000 items, minutes of collection)."""
+    from fp8rl.mutants import MUTANTS
+
+    def wanted(name: str) -> bool:
+        mut = MUTANTS.get(name.split(":", 1)[1]) if name.startswith("mutant:") else None
+        if mut is None or matrix == "full":
+            return True
+        return spec.id in mut.kills if matrix == "declared" else spec.area == mut.area
+
+    return [n for n in names if wanted(n)]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "engine" in metafunc.fixturenames and metafunc.definition.get_closest_marker("fp8rl_check"):
+    mark = metafunc.definition.get_closest_marker("fp8rl_check")
+    if "engine" in metafunc.fixturenames and mark:
         names = engine_names(metafunc.config)
         if len(names) > 1:
-            metafunc.parametrize("engine_name", names, scope="session", ids=[f"engine={n}" for n in names])
+            kept = _engines_for(mark.kwargs["spec"], names, metafunc.config.getoption("--fp8rl-mutant-matrix"))
+            if not kept:  # no engine of this run takes the check: one deselected placeholder instead of none
+                kept = names[:1]
+            metafunc.parametrize("engine_name", kept, scope="session", ids=[f"engine={n}" for n in kept])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -316,12 +335,38 @@ def _is_engine_error(exc: BaseException) -> bool:
     return True  # any other exception inside a check (engine or harness) is an error, not a verdict
 
 
+#: (mutant engine, check id) pairs this process has seen fail: the check kills the mutant
+_KILLED: set[tuple[str, str]] = set()
+
+
+def _mutant_kill_key(item: pytest.Item) -> tuple[str, str] | None:
+    spec = _item_spec(item)
+    if spec is None:
+        return None
+    name = _item_engine(item, item.config)
+    return (name, spec.id) if name.startswith("mutant:") else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A mutant is killed by a check as soon as one of the check's cases fails; the check's remaining cases on that
+    mutant are skipped (they can't change the kill matrix, and they dominate ``fp8rl mutants``' time)."""
+    key = _mutant_kill_key(item)
+    if key is not None and key in _KILLED:
+        pytest.skip(f"{key[1]} already killed {key[0]} (an earlier case failed); the remaining cases can't change "
+                    "the kill matrix")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     if _item_spec(item) is None or call.excinfo is None or call.when != "call":
         return
+    if report.failed:
+        key = _mutant_kill_key(item)
+        if key is not None:
+            _KILLED.add(key)
     if report.failed and _is_engine_error(call.excinfo.value):
         report.user_properties.append(("fp8rl_outcome", "error"))
 
