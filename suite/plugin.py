@@ -340,8 +340,10 @@ _KILLED: set[tuple[str, str]] = set()
 
 
 def _mutant_kill_key(item: pytest.Item) -> tuple[str, str] | None:
+    """(mutant, check id) in a kill-matrix run (``fp8rl mutants``: profile ``mutants``); None otherwise (a
+    conformance run of a mutant engine reports every case)."""
     spec = _item_spec(item)
-    if spec is None:
+    if spec is None or item.config.getoption("--fp8rl-profile") != "mutants":
         return None
     name = _item_engine(item, item.config)
     return (name, spec.id) if name.startswith("mutant:") else None
@@ -349,8 +351,8 @@ def _mutant_kill_key(item: pytest.Item) -> tuple[str, str] | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A mutant is killed by a check as soon as one of the check's cases fails; the check's remaining cases on that
-    mutant are skipped (they can't change the kill matrix, and they dominate ``fp8rl mutants``' time)."""
+    """In a kill-matrix run a mutant is killed by a check as soon as one of the check's cases fails; the check's
+    remaining cases on that mutant are skipped (they can't change the kill matrix, and they dominate its time)."""
     key = _mutant_kill_key(item)
     if key is not None and key in _KILLED:
         pytest.skip(f"{key[1]} already killed {key[0]} (an earlier case failed); the remaining cases can't change "

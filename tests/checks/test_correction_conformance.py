@@ -31,11 +31,27 @@ def _mutants_profile():
     settings.load_profile("_fp8rl_restore")
 
 
+def _param_cases(fn) -> list[dict]:
+    """Every case of a ``@pytest.mark.parametrize``d check function (one empty case for a plain one)."""
+    cases: list[dict] = [{}]
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names = [n.strip() for n in mark.args[0].split(",")] if isinstance(mark.args[0], str) else list(mark.args[0])
+        values = [v if len(names) > 1 else (v,) for v in mark.args[1]]
+        cases = [{**c, **dict(zip(names, v, strict=True))} for c in cases for v in values]
+    return cases
+
+
 def _call_check(fn, engine) -> None:
-    kwargs = {"engine": GuardedEngine(engine)}
-    if "rng" in inspect.signature(fn).parameters:
-        kwargs["rng"] = np.random.default_rng(0)
-    fn(**kwargs)
+    params = inspect.signature(fn).parameters
+    for i, case in enumerate(_param_cases(fn)):
+        kwargs = {"engine": GuardedEngine(engine), **case}
+        if "rng" in params:
+            kwargs["rng"] = np.random.default_rng(i)
+        if "seed" in params:
+            kwargs["seed"] = 1000 + i
+        fn(**kwargs)
 
 
 def test_every_correction_check_function_is_a_registered_check():
