@@ -21,6 +21,8 @@ QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
 GEMM_KINDS = ("block", "tensor", "row")
 #: the rollout numerics recipes (``rollout.<recipe>``): the oracle's recipes
 ROLLOUT_RECIPES = tuple(RECIPES)
+#: the microscaling recipes (``mx_quantize.<recipe>``): fp8rl.reference.microscaling.RECIPES
+MX_RECIPES = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
@@ -90,6 +92,16 @@ def _table() -> dict[str, Capability]:
     rows.append(Capability("rollout.logits", "e2e", ("rollout_logits",) + _ROLLOUT_OPS,
                            "rollout_logits: a rollout that also returns the fp32 logits each token was drawn from "
                            "(the self-consistency checks: log-probs, greedy argmax, goodness of fit)"))
+    mx_ops = ("mx_quantize", "mx_policy")
+    for r in MX_RECIPES:
+        rows.append(Capability(f"mx_quantize.{r}", "microscaling", mx_ops,
+                               f"mx_quantize(x, '{r}'): microscaled codes and scales under the declared mx_policy('{r}') "
+                               "(fp8rl.reference.microscaling)"))
+        rows.append(Capability(f"mx_gemm.{r}", "microscaling", ("mx_gemm",),
+                               f"mx_gemm(a, w, out_dtype): y = a @ wᵀ of two {r} tensors, fp32 accumulation"))
+    rows.append(Capability("mx_quantize.nondivisible", "microscaling", mx_ops,
+                           "mx_quantize of a last dimension that is not a multiple of the block (32 or 16) or odd "
+                           "(packed FP4): the edge block holds the real elements only"))
     return {c.key: c for c in rows}
 
 

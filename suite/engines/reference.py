@@ -55,6 +55,7 @@ class ReferenceEngine(Engine):
         for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync"):
             caps.update(capabilities.all_of(area))
         caps.update(self._caps_e2e())
+        caps.update(capabilities.all_of("microscaling"))
         return caps
 
     def cast_overflow(self, fmt: str) -> formats.OverflowPolicy:
@@ -211,6 +212,24 @@ class ReferenceEngine(Engine):
                 ReferenceEngine._E2E_SYNC_MEMO.pop(next(iter(ReferenceEngine._E2E_SYNC_MEMO)))
             ReferenceEngine._E2E_SYNC_MEMO[key] = hit
         return dict(hit)
+
+    # -- area microscaling: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling
+    def mx_policy(self, recipe: str):
+        """The microscaling policy this engine implements for ``recipe`` (the oracle's: OCP floor, compressed-tensors
+        NVFP4)."""
+        from fp8rl.reference.microscaling import get_mx_policy
+
+        return get_mx_policy(recipe)
+
+    def mx_quantize(self, x: torch.Tensor, recipe: str):
+        from fp8rl.reference.microscaling import mx_quantize
+
+        return mx_quantize(x, self.mx_policy(recipe))
+
+    def mx_gemm(self, a, w, out_dtype: torch.dtype) -> torch.Tensor:
+        from fp8rl.reference.microscaling import mx_gemm_exact
+
+        return mx_gemm_exact(a, w).to(out_dtype)
 
     def _rollout_policy_class(self):
         """The rollout policy class (a subclass of :class:`~fp8rl.reference.rollout_hf.RolloutPolicy`, e.g. with
