@@ -109,8 +109,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
     Tier("trl", "test,trl",
-         conformance=(Conformance("trl", ("correction",)),),
-         pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py"),),
+         conformance=(Conformance("trl", ("correction",)), Conformance("hf-fp8", ("checkpoint",))),
+         pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py",
+                  "tests/engines/trl/test_checkpoint_hf_engine.py"),),
          description="TRL 1.16.0's GRPO vLLM importance-sampling correction (GRPOTrainer."
                      "_generate_and_score_completions driven unbound)"),
     Tier("areal", "test,areal", no_deps=("areal==1.0.4",),

@@ -87,6 +87,14 @@ def _table() -> dict[str, Capability]:
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),
     ]
+    rows += [
+        Capability("checkpoint.write", "checkpoint", ("checkpoint_write", "scale_policy"),
+                   "checkpoint_write: BF16/fp32 weights → a blockwise-FP8 HF checkpoint (codes, *_weight_scale_inv, "
+                   "quantization_config) under the declared scale_policy('block')"),
+        Capability("checkpoint.load", "checkpoint", ("checkpoint_load",),
+                   "checkpoint_load: the weights a loader holds after loading a blockwise-FP8 checkpoint "
+                   "(dequantized, checkpoint names); bad checkpoints raise"),
+    ]
     rows += [Capability(f"rollout.{r}", "e2e", _ROLLOUT_OPS, f"rollouts under the {r} numerics recipe")
              for r in ROLLOUT_RECIPES]
     rows.append(Capability("rollout.logits", "e2e", ("rollout_logits",) + _ROLLOUT_OPS,

@@ -35,6 +35,7 @@ BUILTINS: dict[str, str] = {
     "areal": "fp8rl.engines.areal:ArealEngine",
     "openrlhf": "fp8rl.engines.openrlhf:OpenRlhfEngine",
     "skyrl": "fp8rl.engines.skyrl:SkyrlEngine",
+    "hf-fp8": "fp8rl.engines.checkpoint_hf:HfFp8Engine",
 }
 
 

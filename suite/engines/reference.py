@@ -52,7 +52,7 @@ class ReferenceEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         """Every capability of the table; rollouts need transformers (the reason otherwise)."""
         caps: CapabilityMap = {}
-        for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync"):
+        for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync", "checkpoint"):
             caps.update(capabilities.all_of(area))
         caps.update(self._caps_e2e())
         caps.update(capabilities.all_of("microscaling"))
@@ -212,6 +212,17 @@ class ReferenceEngine(Engine):
                 ReferenceEngine._E2E_SYNC_MEMO.pop(next(iter(ReferenceEngine._E2E_SYNC_MEMO)))
             ReferenceEngine._E2E_SYNC_MEMO[key] = hit
         return dict(hit)
+
+    # -- area checkpoint: the oracle's blockwise-FP8 checkpoint writer and reader (fp8rl.reference.checkpoint) -------
+    def checkpoint_write(self, out_dir, config, state_dict):
+        from fp8rl.reference import checkpoint as ck
+
+        return ck.write_checkpoint(out_dir, config, state_dict, ck.CheckpointSpec(policy=self.scale_policy("block")))
+
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        return ck.dequantize_checkpoint(path)
 
     # -- area microscaling: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling
     def mx_policy(self, recipe: str):

@@ -17,12 +17,23 @@ from types import ModuleType
 
 from fp8rl.engines.reference import ReferenceEngine
 
-from . import correction, e2e, formats, gemm, kv, learning, microscaling, quantization, weight_sync
+from . import (
+    checkpoint,
+    correction,
+    e2e,
+    formats,
+    gemm,
+    kv,
+    learning,
+    microscaling,
+    quantization,
+    weight_sync,
+)
 from ._base import Mutant, mutant
 
 #: the area modules, in report order
-AREA_MODULES: tuple[ModuleType, ...] = (formats, quantization, gemm, kv, correction, weight_sync, e2e, learning,
-                                        microscaling)
+AREA_MODULES: tuple[ModuleType, ...] = (formats, quantization, gemm, kv, correction, weight_sync, e2e, checkpoint,
+                                        learning, microscaling)
 
 
 def _collect(modules: Iterable[ModuleType]) -> dict[str, Mutant]:

@@ -1,0 +1,294 @@
+"""Area ``checkpoint``: the FP8 checkpoint path between a writer and a loader (docs/checkpoint.md).
+
+Writers (capability ``checkpoint.write``): the engine writes a blockwise-FP8 HF checkpoint of BF16 weights or of
+the trainer's fp32 masters; its FP8 codes and ``*_weight_scale_inv`` scales must be bit-exact against the oracle's
+128×128 block quantization of the BF16 weight under the engine's declared ``scale_policy("block")``, on the tiny
+models (dimensions that are not multiples of 128) and on input classes (all-zero rows, columns and blocks, tiny and
+huge amax, outliers, ragged shapes); its ``quantization_config`` must say what the file holds.
+
+Loaders (capability ``checkpoint.load``): the engine loads a checkpoint written by the oracle writer
+(fp8rl.reference.checkpoint) and returns the weights it holds; each must equal codes × block scales of the file,
+computed exactly and rounded once to the dtype the loader holds; the config's ``weight_block_size`` and
+``ignored_layers`` / ``modules_to_not_convert`` must be honoured; a malformed checkpoint must raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fp8rl import fixtures
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, check, record_metrics
+from fp8rl.engine import EngineError
+from fp8rl.reference import checkpoint as ck
+from fp8rl.reference import weight_sync as ws
+from fp8rl.reference.policy import ScalePolicy
+
+#: the models whose checkpoints every writer and loader is judged on (tiny-qwen3: hidden 320, intermediate 384)
+CKPT_MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
+MODELS = pytest.mark.parametrize("model", CKPT_MODELS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input classes of the writer (one weight each, HF projection names so every writer quantizes them)
+
+def _class_weight(cls: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1800 + sum(map(ord, cls)))
+    if cls == "ragged":
+        return torch.randn(200, 300, generator=g)
+    if cls == "zero_rows":
+        w = torch.randn(130, 257, generator=g)
+        w[:5] = 0
+        w[129] = 0
+        return w
+    if cls == "zero_cols":
+        w = torch.randn(257, 130, generator=g)
+        w[:, :7] = 0
+        w[:, 128:] = 0
+        return w
+    if cls == "zero_blocks":
+        w = torch.randn(256, 300, generator=g)
+        w[:128, 128:256] = 0
+        w[128:, 256:] = 0
+        return w
+    if cls == "tiny_amax":
+        return torch.randn(129, 131, generator=g) * 1e-30
+    if cls == "huge_amax":
+        return torch.randn(129, 131, generator=g) * 1e37
+    if cls == "outliers":
+        w = torch.randn(200, 260, generator=g) * 1e-3
+        w[3, 5], w[150, 200] = 3e4, -2e4
+        return w
+    raise ValueError(f"cls: unknown input class {cls!r}")
+
+
+WRITER_CLASSES = ("ragged", "zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_amax", "outliers")
+
+
+def _class_state_dict(cls: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    w = _class_weight(cls).to(dtype)  # fp32: not BF16-representable, the writer must cast to BF16 first
+    return {"model.layers.0.self_attn.q_proj.weight": w,
+            "model.layers.0.input_layernorm.weight": torch.ones(w.shape[1], dtype=torch.bfloat16).to(dtype)}
+
+
+def _compare_written(path: Path, sd: dict[str, torch.Tensor], policy: ScalePolicy, context: str) -> int:
+    """Codes and scales of the file vs the oracle's quantization of sd's BF16 cast (bit for bit); names, dtypes
+    and the BF16 tensors kept as they are. Returns the number of quantized weights compared."""
+    config, got = ck.read_checkpoint(path)
+    want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=policy))
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    assert not missing and not extra, f"{context}: tensor names differ from the oracle's: missing {missing[:6]}, " \
+        f"unexpected {extra[:6]}"
+    n = 0
+    for name, w in want.items():
+        g = got[name]
+        if g.dtype != w.dtype or g.shape != w.shape:
+            raise AssertionError(f"{context}: {name}: {g.dtype} {tuple(g.shape)}, expected {w.dtype} {tuple(w.shape)}")
+        if name.endswith(ws.SCALE_SUFFIX):
+            assert_tensors_equal(g, w, context=f"{context}: {name} ({policy.name})")
+        elif w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            n += 1
+            assert_codes_equal(g.contiguous().view(torch.uint8), w.view(torch.uint8), policy.fmt,
+                               context=f"{context}: {name} codes ({policy.name})", inputs=sd[name].float())
+        elif not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
+            raise AssertionError(f"{context}: {name} ({w.dtype}) must be stored unchanged; its bytes differ")
+    return n
+
+
+def _model_sd(model: str, precision: str) -> dict[str, torch.Tensor]:
+    if precision == "fp32":
+        return fixtures.master_state_dict(model)
+    return fixtures.tiny_model(model).state_dict
+
+
+@MODELS
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@check("CKPT-WRITE-001", "A writer's checkpoint of a tiny model (BF16 weights, or the trainer's fp32 masters cast "
+       "to BF16 first) holds, for every attention/MLP/expert projection, FP8 codes and fp32 *_weight_scale_inv "
+       "equal bit for bit to the oracle's 128x128 block quantization under the declared block policy, and every "
+       "other tensor in BF16 unchanged, with no other names.", requires=["checkpoint.write"])
+def test_checkpoint_writer_model_exact(engine, model, precision, tmp_path):
+    sd = _model_sd(model, precision)
+    path = Path(engine.checkpoint_write(tmp_path / "ckpt", fixtures.tiny_model(model).config, sd))
+    n = _compare_written(path, sd, engine.scale_policy("block"), f"{model} ({precision})")
+    record_metrics(quantized_weights=n)
+
+
+@pytest.mark.parametrize("cls", WRITER_CLASSES)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@check("CKPT-WRITE-002", "A writer's codes and scales are bit-exact under its declared block policy on every input "
+       "class: shapes that are not multiples of 128, all-zero rows, columns and 128x128 blocks, tiny (1e-30) and "
+       "huge (1e37) amax, outliers, in BF16 and fp32.", requires=["checkpoint.write"])
+def test_checkpoint_writer_classes_exact(engine, cls, precision, tmp_path):
+    sd = _class_state_dict(cls, torch.float32 if precision == "fp32" else torch.bfloat16)
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    path = Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd))
+    _compare_written(path, sd, engine.scale_policy("block"), f"class {cls} ({precision})")
+
+
+@MODELS
+@check("CKPT-CONFIG-001", "The written config.json keeps the model config and carries quantization_config with "
+       "quant_method 'fp8', fmt of the declared policy's format ('e4m3' for e4m3fn), activation_scheme 'dynamic', "
+       "weight_block_size [128, 128], and ignored_layers and modules_to_not_convert each listing exactly the 2-D "
+       "linear modules kept in BF16 (the MoE routers).", requires=["checkpoint.write"])
+def test_checkpoint_writer_config_exact(engine, model, tmp_path):
+    tm = fixtures.tiny_model(model)
+    path = Path(engine.checkpoint_write(tmp_path / "ckpt", tm.config, tm.state_dict))
+    config, _ = ck.read_checkpoint(path)
+    changed = sorted(k for k, v in tm.config.items() if k not in ("quantization_config", "torch_dtype", "dtype")
+                     and config.get(k) != v)
+    assert not changed, f"{model}: model config fields changed or dropped: {changed[:6]}"
+    qc = config.get("quantization_config")
+    assert isinstance(qc, dict), f"{model}: config.json has no quantization_config dict (got {qc!r})"
+    fmt = {"e4m3fn": "e4m3", "e5m2": "e5m2"}.get(engine.scale_policy("block").fmt)
+    routers = sorted(n[: -len(".weight")] for n in tm.state_dict if n.endswith((".mlp.gate.weight",
+                                                                                 ".mlp.shared_expert_gate.weight")))
+    want = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "ignored_layers": routers, "modules_to_not_convert": routers}
+    bad = []
+    for key, value in want.items():
+        got = qc.get(key)
+        if key in ("ignored_layers", "modules_to_not_convert"):
+            got = sorted(got) if isinstance(got, list) else got
+        if got != value:
+            bad.append(f"{key}: {got!r}, expected {value!r}")
+    assert not bad, f"{model}: quantization_config: " + "; ".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loaders: checkpoints written by the oracle writer
+
+
+@functools.lru_cache(maxsize=16)
+def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = ()) -> Path:
+    import tempfile
+
+    tm = fixtures.tiny_model(model)
+    root = Path(tempfile.mkdtemp(prefix=f"fp8rl-ckpt-{model}-"))
+    return ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
+
+
+def _compare_loaded(held: dict, path: Path, context: str) -> None:
+    """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype."""
+    if not isinstance(held, dict):
+        raise AssertionError(f"{context}: checkpoint_load returned {type(held).__name__}, expected a dict")
+    config, tensors = ck.read_checkpoint(path)
+    want64 = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
+    missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
+    assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
+        f"{missing[:6]}, unexpected {extra[:6]}"
+    bad, total, worst = [], 0, 0.0
+    for name, w in want64.items():
+        h = held[name]
+        if not isinstance(h, torch.Tensor) or tuple(h.shape) != tuple(w.shape):
+            bad.append(f"{name}: {getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}, "
+                       f"expected shape {tuple(w.shape)}")
+            continue
+        if name in tensors and tensors[name].dtype == h.dtype and ws.scale_name(name) not in tensors:
+            want = tensors[name]  # stored as is
+        elif h.dtype in (torch.bfloat16, torch.float32, torch.float64):
+            want = ck.round_exact(w, h.dtype)
+        else:
+            bad.append(f"{name}: held as {h.dtype}, expected a floating dtype")
+            continue
+        g_np, w_np = h.detach().double().numpy(), want.detach().double().numpy()
+        diff = ~((g_np == w_np) | (np.isnan(g_np) & np.isnan(w_np)))
+        n = int(diff.sum())
+        total += n
+        if n:
+            err = float(np.nanmax(np.abs(g_np - w.double().numpy())[diff]))
+            worst = max(worst, err)
+            idx = tuple(int(i) for i in np.argwhere(diff)[0])
+            bad.append(f"{name} {tuple(w.shape)}: {n}/{w.numel()} values differ (first at {idx}: {float(g_np[idx])!r}"
+                       f" vs {float(w_np[idx])!r}; max |held - exact| {err:.3g})")
+    record_metrics(mismatch_count=total, max_abs_err=worst)
+    assert not bad, f"{context}: {len(bad)} tensors differ from codes x scales of the file: " + "; ".join(bad[:6])
+
+
+@MODELS
+@check("CKPT-LOAD-001", "A loader loading the oracle's 128x128 checkpoint of a tiny model holds every quantized "
+       "weight equal to codes x block scales of the file (computed exactly, rounded once to the dtype it holds) "
+       "and every other tensor as stored, under the checkpoint's names.", requires=["checkpoint.load"])
+def test_checkpoint_loader_exact(engine, model):
+    path = _oracle_checkpoint(model)
+    _compare_loaded(engine.checkpoint_load(path), path, model)
+
+
+@pytest.mark.parametrize("block", [(64, 128), (128, 64)], ids=["64x128", "128x64"])
+@check("CKPT-LOAD-002", "A loader honours weight_block_size: a checkpoint written with non-square 64x128 or "
+       "128x64 blocks loads with each weight equal to codes x its block's scale exactly (no 128x128 assumption, "
+       "no transposed block).", requires=["checkpoint.load"])
+def test_checkpoint_loader_block_size_exact(engine, block):
+    path = _oracle_checkpoint("tiny-qwen3-moe", block)
+    _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, weight_block_size {list(block)}")
+
+
+KEPT = ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.q_proj")
+
+
+@check("CKPT-LOAD-003", "A loader honours ignored_layers / modules_to_not_convert: projections the checkpoint keeps "
+       "in BF16 and lists there (besides the routers) are held bit-identical to the stored BF16 weights, the rest "
+       "dequantized exactly.", requires=["checkpoint.load"])
+def test_checkpoint_loader_ignored_layers_exact(engine):
+    path = _oracle_checkpoint("tiny-qwen3-moe", (128, 128), KEPT)
+    _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, {len(KEPT)} projections kept BF16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad checkpoints
+
+_VICTIM = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _bad_checkpoint(defect: str) -> Path:
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    src = _oracle_checkpoint("tiny-qwen3-moe")
+    config, tensors = ck.read_checkpoint(src)
+    tensors = dict(tensors)
+    sname = ws.scale_name(_VICTIM)
+    s = tensors[sname].clone()
+    if defect == "scale-wrong-shape":
+        tensors[sname] = s[:, :1].contiguous()
+    elif defect == "scale-missing":
+        del tensors[sname]
+    elif defect == "scale-nan":
+        s[0, 0] = math.nan
+        tensors[sname] = s
+    elif defect == "scale-inf":
+        s[-1, -1] = math.inf
+        tensors[sname] = s
+    elif defect == "block-size-contradicts":
+        config["quantization_config"]["weight_block_size"] = [64, 64]
+    else:
+        raise ValueError(f"defect: unknown defect {defect!r}")
+    out = Path(tempfile.mkdtemp(prefix=f"fp8rl-bad-{defect}-"))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+BAD_DEFECTS = ("scale-wrong-shape", "scale-missing", "scale-nan", "scale-inf", "block-size-contradicts")
+
+
+@pytest.mark.parametrize("defect", BAD_DEFECTS)
+@check("CKPT-BAD-001", "A loader given a malformed blockwise-FP8 checkpoint (a scale of the wrong shape, a missing "
+       "scale, a NaN or inf scale, a weight_block_size that contradicts the scale shapes) raises an error instead "
+       "of holding weights.", requires=["checkpoint.load"])
+def test_checkpoint_loader_rejects_bad_exact(engine, defect):
+    path = _bad_checkpoint(defect)
+    try:
+        held = engine.checkpoint_load(path)
+    except EngineError:
+        return
+    w = held.get(_VICTIM) if isinstance(held, dict) else None
+    what = f"{_VICTIM} held as {w.dtype} {tuple(w.shape)}, {int(torch.isnan(w.float()).sum())} NaN, " \
+           f"{int(torch.isinf(w.float()).sum())} inf" if isinstance(w, torch.Tensor) else "no such weight"
+    raise AssertionError(f"checkpoint with defect {defect!r} loaded without an error ({what})")

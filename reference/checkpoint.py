@@ -1,0 +1,275 @@
+"""The FP8 checkpoint path: the oracle's writer and reader of blockwise-FP8 HF checkpoints (docs/checkpoint.md).
+
+A blockwise-FP8 checkpoint is a directory with ``config.json`` and ``*.safetensors``. Every quantized linear weight
+``<module>.weight`` of shape (N, K) is stored as FP8 codes (``torch.float8_e4m3fn``) next to
+``<module>.weight_scale_inv``, fp32 of shape (⌈N/Bn⌉, ⌈K/Bk⌉): the **dequant** multiplier of each Bn×Bk tile
+(W ≈ fp8 · scale; the DeepSeek-V3 convention that vLLM's ``Fp8Config`` (vllm-project/vllm
+``vllm/model_executor/layers/quantization/fp8.py``) and transformers' ``FineGrainedFP8Config``
+(huggingface/transformers ``src/transformers/utils/quantization_config.py``) read). ``config.json`` carries::
+
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [Bn, Bk],
+                            "ignored_layers": [...], "modules_to_not_convert": [...]}
+
+``ignored_layers`` is the key vLLM reads, ``modules_to_not_convert`` the one transformers reads; the writer writes
+both with the same list: the module names (without ``.weight``) of the 2-D linear weights kept in BF16 that a loader
+building FP8 layers from the config would otherwise quantize (MoE routers, shared-expert gates, and any module the
+spec keeps).
+
+The writer quantizes with :func:`fp8rl.reference.weight_sync.quantize_state_dict` (fp32 masters are cast to BF16
+first). The reader validates the file against its own config and dequantizes each weight **exactly**: codes · scale
+in fp64 (≤ 4 + 24 significant bits, exact), rounded **once** to the target dtype (bf16 through round-to-odd at fp32,
+so no double rounding). A malformed checkpoint raises :class:`CheckpointError` naming the tensor and the expectation.
+
+Pure: torch, numpy, safetensors and fp8rl.reference only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fp8rl.reference import formats
+from fp8rl.reference import weight_sync as ws
+from fp8rl.reference.policy import ScalePolicy
+from fp8rl.reference.presets import get_policy
+
+__all__ = ["CheckpointError", "CheckpointSpec", "dequantize_checkpoint", "dequantize_exact", "fp8_pairs",
+           "quantization_config", "read_checkpoint", "round_exact", "write_checkpoint", "write_tensors"]
+
+#: the checkpoint's ``fmt`` string of each FP8 element format
+CONFIG_FMT = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
+_FMT_OF_DTYPE = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+_ROUTERS = r"(^|\.)mlp\.(gate|shared_expert_gate)\.weight$"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that contradicts itself or its config (the message names the tensor and the expectation)."""
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """What the oracle writer writes.
+
+    ``block``: (Bn, Bk) weight tile; ``policy``: the ScalePolicy of the block quantizer (its ``fmt`` is the element
+    format); ``keep``: module names (``model.layers.0.self_attn.o_proj``) additionally kept in BF16 and listed as
+    ignored; ``activation_scheme``: ``dynamic`` (the only one blockwise FP8 supports).
+    """
+
+    block: tuple[int, int] = (128, 128)
+    policy: ScalePolicy | str = "reference"
+    keep: tuple[str, ...] = ()
+    activation_scheme: str = "dynamic"
+    include: tuple[str, ...] = ws.DEFAULT_INCLUDE
+    exclude: tuple[str, ...] = ws.DEFAULT_EXCLUDE
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", get_policy(self.policy))
+        if len(self.block) != 2 or not all(isinstance(b, int) and b > 0 for b in self.block):
+            raise ValueError(f"block: expected two positive ints, got {self.block!r}")
+        if get_policy(self.policy).fmt not in CONFIG_FMT:
+            raise ValueError(f"policy: expected an e4m3fn or e5m2 policy, got {get_policy(self.policy).fmt!r}")
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"activation_scheme: expected 'dynamic' or 'static', got {self.activation_scheme!r}")
+
+    def with_(self, **changes: Any) -> CheckpointSpec:
+        return replace(self, **changes)
+
+    def recipe(self) -> ws.WeightSyncRecipe:
+        keep = tuple(rf"(^|\.){re.escape(m)}\.weight$" for m in self.keep)
+        return ws.WeightSyncRecipe(block=tuple(self.block), policy=self.policy, include=self.include,  # type: ignore[arg-type]
+                                   exclude=self.exclude + keep)
+
+
+def ignored_modules(state_dict: Mapping[str, torch.Tensor], spec: CheckpointSpec) -> list[str]:
+    """Module names of the 2-D linear weights kept in BF16 that a config-driven loader would otherwise quantize:
+    the routers / shared-expert gates and ``spec.keep``."""
+    r = spec.recipe()
+    out = []
+    for name, t in state_dict.items():
+        if t.dim() != 2 or not name.endswith(".weight") or ws.is_quantized_name(name, tuple(t.shape), r):
+            continue
+        module = name[: -len(".weight")]
+        if re.search(_ROUTERS, name) or module in spec.keep:
+            out.append(module)
+    return out
+
+
+def quantization_config(spec: CheckpointSpec, ignored: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``quantization_config`` the writer puts into config.json (see the module docstring)."""
+    cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": CONFIG_FMT[get_policy(spec.policy).fmt],
+                           "activation_scheme": spec.activation_scheme, "weight_block_size": list(spec.block),
+                           "ignored_layers": list(ignored), "modules_to_not_convert": list(ignored)}
+    cfg.update(spec.extra_config)
+    return cfg
+
+
+def write_tensors(out_dir: str | Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                  qconfig: Mapping[str, Any]) -> Path:
+    """Write ``tensors`` as ``model.safetensors`` and ``config`` (with ``quantization_config = qconfig`` and
+    ``torch_dtype: bfloat16``) as ``config.json`` into ``out_dir``. Returns the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config)
+    cfg["quantization_config"] = dict(qconfig)
+    cfg["torch_dtype"] = "bfloat16"
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def write_checkpoint(out_dir: str | Path, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
+                     spec: CheckpointSpec | None = None) -> Path:
+    """The oracle writer: quantize ``state_dict`` (BF16 weights or fp32 masters, HF checkpoint names) under
+    ``spec`` and write the checkpoint directory. Returns it."""
+    spec = spec or CheckpointSpec()
+    if not isinstance(spec, CheckpointSpec):
+        raise TypeError(f"spec: expected a CheckpointSpec or None, got {type(spec).__name__}")
+    tensors = ws.quantize_state_dict(state_dict, spec.recipe())
+    return write_tensors(out_dir, config, tensors, quantization_config(spec, ignored_modules(state_dict, spec)))
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, tensors as stored) of a checkpoint directory (every ``*.safetensors`` file)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"path: {p} has no config.json")
+    config = json.loads((p / "config.json").read_text())
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"path: {p} has no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return config, tensors
+
+
+def _block(qc: Mapping[str, Any]) -> tuple[int, int] | None:
+    wbs = qc.get("weight_block_size")
+    if wbs is None:
+        return None
+    if not (isinstance(wbs, (list, tuple)) and len(wbs) == 2 and all(isinstance(b, int) and b > 0 for b in wbs)):
+        raise CheckpointError(f"quantization_config.weight_block_size: expected two positive ints, got {wbs!r}")
+    return int(wbs[0]), int(wbs[1])
+
+
+def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
+                                                                                                   torch.Tensor]]:
+    """Validate a blockwise-FP8 checkpoint and return ``weight name → (fp8 codes tensor, fp32 scale)``.
+
+    Raises :class:`CheckpointError` for: a config that is not ``quant_method: fp8`` with a ``weight_block_size``;
+    an FP8 weight without ``*_scale_inv`` (missing scale) or a scale without its weight; a scale whose shape is not
+    (⌈N/Bn⌉, ⌈K/Bk⌉) (wrong shape, or a ``weight_block_size`` that contradicts the shapes); a scale that is NaN,
+    ±inf, negative or not fp32/bf16; an FP8 dtype other than the config's ``fmt``; a module listed in
+    ``ignored_layers`` / ``modules_to_not_convert`` stored in FP8.
+    """
+    qc = config.get("quantization_config")
+    if not isinstance(qc, Mapping) or qc.get("quant_method") != "fp8":
+        raise CheckpointError("config.quantization_config: expected a dict with quant_method 'fp8', got "
+                              f"{qc!r}")
+    block = _block(qc)
+    if block is None:
+        raise CheckpointError("quantization_config.weight_block_size: missing; a blockwise checkpoint needs [Bn, Bk]")
+    fmt = qc.get("fmt", "e4m3")
+    want_fmt = {v: k for k, v in CONFIG_FMT.items()}.get(fmt)
+    if want_fmt is None:
+        raise CheckpointError(f"quantization_config.fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
+    ignored = set(qc.get("ignored_layers") or ()) | set(qc.get("modules_to_not_convert") or ())
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.endswith(ws.SCALE_SUFFIX):
+            if name[: -len(ws.SCALE_SUFFIX)] not in tensors:
+                raise CheckpointError(f"{name}: a scale without its weight {name[: -len(ws.SCALE_SUFFIX)]!r}")
+            continue
+        if t.dtype not in _FMT_OF_DTYPE and t.dtype not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        if module in ignored:
+            raise CheckpointError(f"{name}: stored as {t.dtype} but {module!r} is listed in "
+                                  "ignored_layers/modules_to_not_convert (expected BF16)")
+        if _FMT_OF_DTYPE.get(t.dtype) != want_fmt:
+            raise CheckpointError(f"{name}: dtype {t.dtype}, but quantization_config.fmt is {fmt!r} "
+                                  f"(expected {ws.FP8_TORCH_DTYPES[want_fmt]})")
+        sname = ws.scale_name(name)
+        if sname not in tensors:
+            raise CheckpointError(f"{name}: FP8 weight without its scale {sname!r}")
+        s = tensors[sname]
+        if t.dim() != 2:
+            raise CheckpointError(f"{name}: expected a 2-D FP8 weight, got shape {tuple(t.shape)}")
+        want_shape = (math.ceil(t.shape[0] / block[0]), math.ceil(t.shape[1] / block[1]))
+        if tuple(s.shape) != want_shape:
+            raise CheckpointError(f"{sname}: shape {tuple(s.shape)}, expected {want_shape} = ceil({tuple(t.shape)} "
+                                  f"/ weight_block_size {list(block)})")
+        if s.dtype not in (torch.float32, torch.bfloat16):
+            raise CheckpointError(f"{sname}: dtype {s.dtype}, expected torch.float32")
+        sf = s.float()
+        bad = ~torch.isfinite(sf) | (sf < 0)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise CheckpointError(f"{sname}: {int(bad.sum())} of {sf.numel()} scales are NaN, inf or negative "
+                                  f"(first at {idx}: {float(sf[idx])}); expected finite non-negative dequant scales")
+        out[name] = (t, sf)
+    return out
+
+
+def round_exact(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 values → ``dtype`` rounded once to nearest even (torch's fp64 → bf16 cast goes through fp32 and can
+    round twice; here bf16 goes through round-to-odd at fp32, which makes the second rounding exact)."""
+    if dtype in (torch.float64, torch.float32):
+        return v.to(dtype)
+    if dtype != torch.bfloat16:
+        raise ValueError(f"dtype: expected torch.bfloat16, torch.float32 or torch.float64, got {dtype}")
+    a = v.detach().cpu().contiguous().numpy().astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = a.astype(np.float32)
+        back = f.astype(np.float64)
+    fb = f.view(np.uint32).copy()
+    finite = np.isfinite(a)
+    inexact = finite & (back != a)
+    over = inexact & (np.abs(back) > np.abs(a))
+    fb = np.where(over, fb - np.uint32(1), fb)
+    fb = np.where(inexact, fb | np.uint32(1), fb).astype(np.uint32)
+    bits = formats.bf16_bits_rne(fb.view(np.float32)).astype(np.int16)
+    return torch.from_numpy(bits).view(torch.bfloat16).reshape(v.shape)
+
+
+def dequantize_exact(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """codes (an FP8 tensor) · scale broadcast over ``block`` tiles, exact in fp64, rounded once to ``dtype``."""
+    n, k = codes.shape
+    vals = codes.to(torch.float64)
+    s = scale.to(torch.float64).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return round_exact(vals * s, dtype)
+
+
+def dequantize_checkpoint(path: str | Path | None = None, *, config: Mapping[str, Any] | None = None,
+                          tensors: Mapping[str, torch.Tensor] | None = None,
+                          dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The weights a correct loader holds: every FP8 weight dequantized exactly (:func:`dequantize_exact`) into
+    ``dtype``, scales dropped, every other tensor as stored. Give ``path`` or both ``config`` and ``tensors``."""
+    if path is not None:
+        config, tensors = read_checkpoint(path)
+    if config is None or tensors is None:
+        raise ValueError("dequantize_checkpoint: expected path, or config and tensors")
+    pairs = fp8_pairs(config, tensors)
+    block = _block(config["quantization_config"])
+    assert block is not None
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(ws.SCALE_SUFFIX) and name[: -len(ws.SCALE_SUFFIX)] in pairs:
+            continue
+        out[name] = dequantize_exact(t, pairs[name][1], block, dtype) if name in pairs else t
+    return out

@@ -1,0 +1,214 @@
+"""Checkpoint mutants: an FP8 checkpoint writer or loader with one realistic bug each (area ``checkpoint``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from fp8rl.engines.reference import ReferenceEngine
+
+from ._base import mutant
+
+
+def _rewrite(path, edit_tensors=None, edit_qc=None) -> Path:
+    """Apply edits to a written checkpoint in place (the writer's bug)."""
+    from fp8rl.reference import checkpoint as ck
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    config, tensors = ck.read_checkpoint(p)
+    if edit_tensors is not None:
+        tensors = edit_tensors(dict(tensors))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(p / "model.safetensors"),
+                  metadata={"format": "pt"})
+    if edit_qc is not None:
+        config["quantization_config"] = edit_qc(dict(config["quantization_config"]))
+        (p / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return p
+
+
+# -- writers -------------------------------------------------------------------------------------------------------
+
+@mutant("ckpt-writer-scale-inverse", "the writer stores the quant multiplier 1/s as *_weight_scale_inv (the name "
+        "read literally) instead of the dequant scale s", kills=("CKPT-WRITE-001", "CKPT-WRITE-002"))
+class WriterScaleInverse(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+        return _rewrite(p, lambda t: {k: (1.0 / v.double()).float() if k.endswith("_scale_inv") else v
+                                      for k, v in t.items()})
+
+
+@mutant("ckpt-writer-grid-transposed", "the writer lays a non-square weight's scale grid out column-major in the "
+        "row-major (ceil(N/128), ceil(K/128)) tensor", kills=("CKPT-WRITE-001", "CKPT-WRITE-002"))
+class WriterGridTransposed(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+        return _rewrite(p, lambda t: {k: v.t().contiguous().reshape(v.shape)
+                                      if k.endswith("_scale_inv") and v.shape[0] != v.shape[1] else v
+                                      for k, v in t.items()})
+
+
+@mutant("ckpt-writer-no-ignored-layers", "the writer keeps the MoE routers in BF16 but does not list them in "
+        "ignored_layers / modules_to_not_convert (a config-driven loader then builds FP8 layers for them)",
+        kills=("CKPT-CONFIG-001",))
+class WriterNoIgnored(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+
+        def edit(qc):
+            qc.pop("ignored_layers", None)
+            qc.pop("modules_to_not_convert", None)
+            return qc
+        return _rewrite(p, edit_qc=edit)
+
+
+@mutant("ckpt-writer-static-per-tensor-config", "the writer copies a per-tensor FP8 config: activation_scheme "
+        "'static' and no weight_block_size, for a 128x128 blockwise file", kills=("CKPT-CONFIG-001",))
+class WriterPerTensorConfig(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+
+        def edit(qc):
+            qc.pop("weight_block_size", None)
+            qc["activation_scheme"] = "static"
+            return qc
+        return _rewrite(p, edit_qc=edit)
+
+
+@mutant("ckpt-writer-fp32-direct", "the writer quantizes the trainer's fp32 master weights directly (block amax "
+        "and rounding from fp32) instead of their BF16 cast", kills=("CKPT-WRITE-001", "CKPT-WRITE-002"))
+class WriterFp32Direct(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        from fp8rl.reference import checkpoint as ck
+
+        spec = ck.CheckpointSpec(policy=self.scale_policy("block"))
+        tensors = ck.ws.quantize_state_dict(state_dict, spec.recipe().with_(cast_dtype=torch.float32))
+        tensors = {k: v.to(torch.bfloat16) if v.dtype == torch.float32 and not k.endswith("_scale_inv") else v
+                   for k, v in tensors.items()}
+        return ck.write_tensors(out_dir, config, tensors,
+                                ck.quantization_config(spec, ck.ignored_modules(state_dict, spec)))
+
+
+@mutant("ckpt-writer-zero-block-scale", "the writer computes each scale as amax/448 with no floor: an all-zero "
+        "block gets scale 0 and its codes 0/0 = NaN", kills=("CKPT-WRITE-002",))
+class WriterZeroBlock(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+        from fp8rl.reference import checkpoint as ck
+
+        def edit(t):
+            for name in [k for k in t if k.endswith("_scale_inv")]:
+                w = t[name[: -len("_scale_inv")]]
+                s = t[name].clone()
+                codes = w.view(torch.uint8).clone()
+                vals = ck.dequantize_exact(w, s, (128, 128), torch.float64)
+                n, k = vals.shape
+                for i in range(s.shape[0]):
+                    for j in range(s.shape[1]):
+                        blk = vals[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                        if blk.numel() and float(blk.abs().max()) == 0.0:
+                            s[i, j] = 0.0
+                            codes[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = 0x7F  # e4m3fn NaN
+                t[name] = s
+                t[name[: -len("_scale_inv")]] = codes.view(w.dtype)
+            return t
+        return _rewrite(p, edit)
+
+
+# -- loaders -------------------------------------------------------------------------------------------------------
+
+def _reload_with(path, block=None, scale_fn=None, skip_ignored=False, validate=True):
+    """A loader: the file dequantized with the given mistakes (the oracle reader otherwise)."""
+    from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import weight_sync as ws
+
+    config, tensors = ck.read_checkpoint(path)
+    qc = config["quantization_config"]
+    if validate:
+        ck.fp8_pairs(config, tensors)
+    b = tuple(block or qc["weight_block_size"])
+    ignored = set(qc.get("ignored_layers") or ()) | set(qc.get("modules_to_not_convert") or ())
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(ws.SCALE_SUFFIX):
+            continue
+        sname = ws.scale_name(name)
+        if sname in tensors:
+            s = tensors[sname].float()
+            s = scale_fn(s) if scale_fn else s
+            out[name] = ck.dequantize_exact(t, s, b, torch.bfloat16)  # type: ignore[arg-type]
+        elif skip_ignored and name.endswith(".weight") and name[: -len(".weight")] in ignored \
+                and t.dim() == 2 and ".mlp.gate." not in name:
+            # builds an FP8 layer anyway: the BF16 weight is cast to e4m3fn with scale 1
+            out[name] = t.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.bfloat16)
+        else:
+            out[name] = t
+    return out
+
+
+@mutant("ckpt-loader-assumes-128", "the loader ignores weight_block_size and always dequantizes with 128x128 "
+        "blocks", kills=("CKPT-LOAD-002",))
+class LoaderAssumes128(ReferenceEngine):
+    def checkpoint_load(self, path):
+        return _reload_with(path, block=(128, 128), validate=False)
+
+
+@mutant("ckpt-loader-block-transposed", "the loader reads weight_block_size [Bn, Bk] as [Bk, Bn]",
+        kills=("CKPT-LOAD-002",))
+class LoaderBlockTransposed(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        config, _ = ck.read_checkpoint(path)
+        bn, bk = config["quantization_config"]["weight_block_size"]
+        return _reload_with(path, block=(bk, bn), validate=False)
+
+
+@mutant("ckpt-loader-inverts-scale", "the loader divides by *_weight_scale_inv (reading the name literally as 1/s)",
+        kills=("CKPT-LOAD-001", "CKPT-LOAD-002", "CKPT-LOAD-003"))
+class LoaderInvertsScale(ReferenceEngine):
+    def checkpoint_load(self, path):
+        return _reload_with(path, scale_fn=lambda s: 1.0 / s)
+
+
+@mutant("ckpt-loader-ignores-ignored-layers", "the loader builds FP8 layers for modules the config lists in "
+        "ignored_layers / modules_to_not_convert and casts their BF16 weights to e4m3fn with scale 1",
+        kills=("CKPT-LOAD-003",))
+class LoaderIgnoresIgnored(ReferenceEngine):
+    def checkpoint_load(self, path):
+        return _reload_with(path, skip_ignored=True)
+
+
+@mutant("ckpt-loader-double-rounding", "the loader multiplies codes by scales in bf16 (the scale rounded to bf16 "
+        "first) instead of exactly", kills=("CKPT-LOAD-001", "CKPT-LOAD-002", "CKPT-LOAD-003"))
+class LoaderBf16Math(ReferenceEngine):
+    def checkpoint_load(self, path):
+        return _reload_with(path, scale_fn=lambda s: s.to(torch.bfloat16).float())
+
+
+@mutant("ckpt-loader-no-validation", "the loader trusts the file: a missing scale counts as 1, a scale grid of "
+        "the wrong shape is broadcast from its first column, NaN/inf scales and a contradicting weight_block_size "
+        "pass", kills=("CKPT-BAD-001",))
+class LoaderNoValidation(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import weight_sync as ws
+
+        config, tensors = ck.read_checkpoint(path)
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(ws.SCALE_SUFFIX):
+                continue
+            if t.dtype == torch.float8_e4m3fn:
+                n, k = t.shape
+                s = tensors.get(ws.scale_name(name), torch.ones(1, 1)).float()
+                grid = (math.ceil(n / 128), math.ceil(k / 128))
+                if tuple(s.shape) != grid:
+                    s = s[:, :1].expand(s.shape[0], grid[1])[: grid[0]]
+                    s = torch.cat([s, s[-1:].expand(grid[0] - s.shape[0], -1)]) if s.shape[0] < grid[0] else s
+                out[name] = ck.dequantize_exact(t, s, (128, 128), torch.bfloat16)
+            else:
+                out[name] = t
+        return out

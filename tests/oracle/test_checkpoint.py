@@ -1,0 +1,114 @@
+"""The oracle's FP8 checkpoint writer and reader (fp8rl.reference.checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from fp8rl import fixtures
+from fp8rl.reference import checkpoint as ck
+from fp8rl.reference import weight_sync as ws
+
+
+def _bf16_rne_from_f64(v: float) -> float:
+    """Independent single rounding of a finite normal fp64 value to bf16 (8 significant bits), by integer
+    arithmetic on the fp64 bits."""
+    b = struct.unpack("<Q", struct.pack("<d", v))[0]
+    drop = 52 - 7
+    keep, rest = b >> drop, b & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    if rest > half or (rest == half and keep & 1):
+        keep += 1
+    return struct.unpack("<d", struct.pack("<Q", keep << drop))[0]
+
+
+def test_round_exact_rounds_once_exact():
+    v = torch.tensor([1 + 2**-8 + 2**-30, -(1 + 2**-8 + 2**-30), 1 + 2**-8, 3.0], dtype=torch.float64)
+    got = ck.round_exact(v, torch.bfloat16).double().tolist()
+    assert got == [1 + 2**-7, -(1 + 2**-7), 1.0, 3.0]
+    assert v.to(torch.bfloat16).double()[0].item() == 1.0  # torch's fp64 -> bf16 cast rounds twice
+
+
+def test_round_exact_matches_integer_rounding_exact():
+    rng = np.random.default_rng(18)
+    codes = torch.from_numpy(rng.integers(0, 256, 4000).astype(np.uint8)).view(torch.float8_e4m3fn)
+    scale = torch.from_numpy(rng.uniform(1e-4, 1.0, 4000).astype(np.float32))
+    v = codes.to(torch.float64) * scale.double()
+    ok = torch.isfinite(v) & (v.abs() > 2.0**-120)
+    got = ck.round_exact(v[ok], torch.bfloat16).double().tolist()
+    want = [_bf16_rne_from_f64(x) for x in v[ok].tolist()]
+    assert got == want
+
+
+def test_writer_then_reader_is_codes_times_scales_exact(tmp_path):
+    tm = fixtures.tiny_model("tiny-qwen3")
+    path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict)
+    config, tensors = ck.read_checkpoint(path)
+    got = ck.dequantize_checkpoint(path, dtype=torch.float64)
+    for name in ws.quantized_names(tm.state_dict):
+        codes, s = tensors[name], tensors[ws.scale_name(name)]
+        n, k = codes.shape
+        assert tuple(s.shape) == (math.ceil(n / 128), math.ceil(k / 128))
+        full = torch.kron(s.double(), torch.ones(128, 128, dtype=torch.float64))[:n, :k]
+        assert torch.equal(got[name], codes.double() * full), name
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128], "ignored_layers": [],
+                                             "modules_to_not_convert": []}
+    assert got["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_writer_lists_routers_and_kept_modules_exact(tmp_path):
+    tm = fixtures.tiny_model("tiny-qwen3-moe")
+    keep = ("model.layers.0.self_attn.o_proj",)
+    path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict, ck.CheckpointSpec(keep=keep))
+    config, tensors = ck.read_checkpoint(path)
+    qc = config["quantization_config"]
+    want = ["model.layers.0.mlp.gate", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate"]
+    assert sorted(qc["ignored_layers"]) == sorted(qc["modules_to_not_convert"]) == want
+    assert tensors["model.layers.0.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    assert ws.scale_name("model.layers.0.self_attn.o_proj.weight") not in tensors
+
+
+@pytest.mark.parametrize("defect, message", [
+    ("scale-wrong-shape", r"weight_scale_inv: shape \(2, 1\), expected \(2, 2\)"),
+    ("scale-missing", r"q_proj.weight: FP8 weight without its scale"),
+    ("scale-nan", r"q_proj.weight_scale_inv: 1 of 4 scales are NaN, inf or negative"),
+    ("scale-inf", r"q_proj.weight_scale_inv: 1 of 4 scales are NaN, inf or negative"),
+    ("block-size-contradicts", r"weight_scale_inv: shape \(\d, \d\), expected \(\d, \d\) = ceil"),
+])
+def test_reader_rejects_bad_checkpoints(defect, message):
+    from fp8rl.conformance import test_checkpoint as tc
+
+    with pytest.raises(ck.CheckpointError, match=message):
+        ck.dequantize_checkpoint(tc._bad_checkpoint(defect))
+
+
+def test_reader_rejects_fmt_mismatch_and_fp8_ignored_layer(tmp_path):
+    tm = fixtures.tiny_model("tiny-qwen3-moe")
+    path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict)
+    config, tensors = ck.read_checkpoint(path)
+    bad = json.loads(json.dumps(config))
+    bad["quantization_config"]["fmt"] = "e5m2"
+    with pytest.raises(ck.CheckpointError, match="quantization_config.fmt is 'e5m2'"):
+        ck.dequantize_checkpoint(config=bad, tensors=tensors)
+    bad = json.loads(json.dumps(config))
+    bad["quantization_config"]["ignored_layers"].append("model.layers.0.self_attn.q_proj")
+    with pytest.raises(ck.CheckpointError, match="listed in ignored_layers"):
+        ck.dequantize_checkpoint(config=bad, tensors=tensors)
+    bad = json.loads(json.dumps(config))
+    del bad["quantization_config"]["weight_block_size"]
+    with pytest.raises(ck.CheckpointError, match="weight_block_size: missing"):
+        ck.dequantize_checkpoint(config=bad, tensors=tensors)
+
+
+def test_spec_validates_arguments():
+    with pytest.raises(ValueError, match="block: expected two positive ints"):
+        ck.CheckpointSpec(block=(128, 0))
+    with pytest.raises(ValueError, match="activation_scheme"):
+        ck.CheckpointSpec(activation_scheme="weird")
+    with pytest.raises(ValueError, match="dtype: expected"):
+        ck.round_exact(torch.zeros(1, dtype=torch.float64), torch.float16)
