@@ -76,6 +76,9 @@ class Precision:
     kv_fp8: bool
     attention_fp8: bool
     description: str = ""
+    #: how quantized weights are stored (a key of WEIGHT_FORMATS) and which weight kinds are quantized
+    weight_format: str = "fp8-block128"
+    quant_kinds: tuple[str, ...] = ("linear", "expert")
 
     @property
     def kv_bytes(self) -> int:
@@ -88,6 +91,39 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp8-kv", False, True, False, "BF16 linear layers; FP8 KV cache for storage only (BF16 attention)"),
     Precision("fp8-all", True, True, True, "FP8 linear + FP8 KV cache + FP8 attention (the paper's full FP8)"),
 )}
+
+#: quantized weight storage: element bytes, scale bytes per scale, elements per scale (1×B along K, or a B×B tile
+#: for "fp8-block128"), per-tensor bytes (NVFP4's fp32 global scale). Bytes per weight = elem + scale/B (+ tensor).
+WEIGHT_FORMATS: dict[str, tuple[float, int, int, int]] = {
+    "fp8-block128": (1.0, 4, 128, 0),   # FP8 + fp32 scale per 128×128 tile: 1 + 4/16384 ≈ 1.00024 B/weight
+    "mxfp8": (1.0, 1, 32, 0),           # E4M3 + E8M0 per 32: 1 + 1/32 = 1.03125 B/weight
+    "mxfp4": (0.5, 1, 32, 0),           # E2M1 (packed) + E8M0 per 32: 0.5 + 1/32 = 0.53125 B/weight
+    "nvfp4": (0.5, 1, 16, 4),           # E2M1 (packed) + E4M3 per 16 + fp32 global: 0.5625 B/weight + 4 B/tensor
+}
+
+#: the microscaling rollout recipes (docs/microscaling.md): not in PRECISIONS (the FP8 tables keep their rows); name
+#: them in ``fp8rl perf model --configs``. Compute uses the FP8 dense peak (MXFP8 runs at the FP8 rate on Blackwell;
+#: hardware.json has no FP4 peak, so NVFP4's compute term is an upper bound and its ceiling a lower bound).
+MX_PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("mxfp8", True, False, False, "MXFP8 linear and expert layers (E4M3 + E8M0 per 32); BF16 KV cache",
+              weight_format="mxfp8"),
+    Precision("mxfp4", True, False, False, "MXFP4 linear and expert layers (E2M1 + E8M0 per 32); BF16 KV cache",
+              weight_format="mxfp4"),
+    Precision("nvfp4-experts", True, False, False, "NVFP4 MoE experts only (E2M1 + E4M3 per 16 + fp32 global); "
+              "attention/dense linears, boundary layers, embeddings and lm_head BF16; BF16 KV cache",
+              weight_format="nvfp4", quant_kinds=("expert",)),
+)}
+
+
+def weight_format_bytes(fmt: str, rows: int, cols: int) -> float:
+    """Bytes of one quantized (rows, cols) weight under ``fmt`` (WEIGHT_FORMATS), scales included."""
+    elem, sbytes, block, per_tensor = WEIGHT_FORMATS[fmt]
+    if fmt == "fp8-block128":
+        nscales = math.ceil(rows / block) * math.ceil(cols / block)
+    else:
+        nscales = rows * math.ceil(cols / block)
+    return math.ceil(rows * cols * elem) + nscales * sbytes + per_tensor
+
 
 _PRECISION_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "baseline": "bf16",
@@ -102,6 +138,8 @@ def get_precision(name: str | Precision) -> Precision:
     if isinstance(name, Precision):
         return name
     key = str(name).strip().lower().replace("_", "-")
+    if key in MX_PRECISIONS:
+        return MX_PRECISIONS[key]
     if key not in _PRECISION_ALIASES:
         raise ValueError(f"precision: unknown config {name!r}; expected one of {list(PRECISIONS)}")
     return PRECISIONS[_PRECISION_ALIASES[key]]
@@ -129,7 +167,10 @@ class WeightGroup:
     def numel(self) -> int:
         return math.prod(self.shape) * self.count
 
-    def bytes(self, fp8: bool) -> int:
+    def bytes(self, fp8: bool, fmt: str = "fp8-block128") -> int:
+        if fp8 and self.fp8_eligible and fmt != "fp8-block128":
+            rows, cols = self.shape
+            return int(weight_format_bytes(fmt, rows, cols)) * self.count
         if fp8 and self.fp8_eligible:
             rows, cols = self.shape
             scales = math.ceil(rows / WEIGHT_BLOCK) * math.ceil(cols / WEIGHT_BLOCK)
@@ -408,7 +449,12 @@ def weight_bytes(spec: ModelSpec, precision: str | Precision, tp: int = 1) -> di
     p = get_precision(precision)
     fp8 = scales = bf16 = 0
     for w in spec.weight_groups():
-        if p.linear_fp8 and w.fp8_eligible:
+        if p.linear_fp8 and w.fp8_eligible and w.kind in p.quant_kinds and p.weight_format != "fp8-block128":
+            elem = w.count * math.ceil(w.shape[0] * w.shape[1] * WEIGHT_FORMATS[p.weight_format][0])
+            fp8 += elem  # quantized element bytes (FP8 or packed FP4)
+            scales += w.bytes(True, p.weight_format) - elem
+            continue
+        if p.linear_fp8 and w.fp8_eligible and w.kind in p.quant_kinds:
             rows, cols = w.shape
             fp8 += rows * cols * w.count
             scales += math.ceil(rows / WEIGHT_BLOCK) * math.ceil(cols / WEIGHT_BLOCK) * w.count * SCALE_BYTES
@@ -501,7 +547,7 @@ def decode_step(spec: ModelSpec, hw: Hardware, precision: str | Precision, concu
         if w.kind == "embedding" and not spec.tie_word_embeddings:
             wbytes += c * w.shape[1] * BF16_BYTES  # gathered rows only
             continue
-        b = w.bytes(p.linear_fp8)
+        b = w.bytes(p.linear_fp8 and w.kind in p.quant_kinds, p.weight_format)
         wbytes += b * (expert_frac if w.kind == "expert" else 1.0)
     wbytes /= tp
     kvb = kv_bytes_per_token(spec, p, tp)
