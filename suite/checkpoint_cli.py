@@ -1,0 +1,282 @@
+"""``fp8rl checkpoint-matrix``: the writer × loader interop matrix of blockwise-FP8 checkpoints (docs/checkpoint.md).
+
+    fp8rl checkpoint-matrix --writer reference --loader reference --loader hf-fp8 --out fp8rl-checkpoint-matrix
+
+Each writer writes a checkpoint of each model (``tiny-qwen3``: hidden 320, intermediate 384, not multiples of 128;
+``tiny-qwen3-moe``) into ``--checkpoints DIR/<writer>/<model>``: an engine with ``checkpoint.write`` through
+``checkpoint_write``; an engine with only ``weight_sync`` (e.g. ``verl``) as its synced tensors in the oracle's file
+layout and ``quantization_config`` (the dict verl injects into vLLM). A writer unavailable here whose checkpoints
+already exist under ``--checkpoints`` (written by a run in the writer's own environment) is read from there. Each
+loader with ``checkpoint.load`` loads each checkpoint; a cell is **conformant** when the file is a valid blockwise-FP8
+checkpoint and every weight the loader holds equals codes × block scales of the file exactly (rounded once to the
+held dtype), a **deviation** (with counts and the max error), **error** (the loader raised) or **not run** (the
+reason). Writes ``matrix.json``, ``matrix.md`` and a self-contained ``matrix.html`` heat map.
+
+Exit: 0 when every cell that ran is conformant or a known deviation (the loader's vendor xfails list
+``CKPT-LOAD-001[<model>]``), 1 otherwise, 2 on a usage or engine-load error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+
+MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``checkpoint-matrix`` subcommand (called by fp8rl.cli for every module in EXTRA_COMMAND_MODULES)."""
+    p = subparsers.add_parser("checkpoint-matrix", help="writer x loader interop matrix of blockwise-FP8 "
+                                                        "checkpoints (tiny-qwen3, tiny-qwen3-moe)")
+    p.add_argument("--writer", action="append", default=None,
+                   help="writer engine (repeatable; default: reference)")
+    p.add_argument("--loader", action="append", default=None,
+                   help="loader engine (repeatable; default: reference and hf-fp8)")
+    p.add_argument("--model", action="append", default=None, choices=MODELS, help="model (repeatable; default both)")
+    p.add_argument("--checkpoints", default=None,
+                   help="where checkpoints are written / read (default <out>/checkpoints)")
+    p.add_argument("--out", default="fp8rl-checkpoint-matrix", help="output directory")
+    p.set_defaults(func=cmd_checkpoint_matrix)
+
+
+def _write(engine: Any, root: Path, model: str) -> Path:
+    from fp8rl import capabilities as _caps  # noqa: F401  (the table the keys below come from)
+    from fp8rl import fixtures
+    from fp8rl.engine import capability_reason
+    from fp8rl.reference import checkpoint as ck
+
+    tm = fixtures.tiny_model(model)
+    out = root / model
+    if capability_reason(engine, "checkpoint.write") is None:
+        return Path(engine.checkpoint_write(out, tm.config, tm.state_dict))
+    spec = ck.CheckpointSpec(policy=engine.scale_policy("block"))
+    tensors = engine.weight_sync(tm.state_dict)
+    return ck.write_tensors(out, tm.config, tensors, ck.quantization_config(spec, ck.ignored_modules(tm.state_dict,
+                                                                                                     spec)))
+
+
+def _writer_reason(engine: Any) -> str | None:
+    from fp8rl.engine import capability_reason
+
+    w = capability_reason(engine, "checkpoint.write")
+    s = capability_reason(engine, "weight_sync")
+    return None if w is None or s is None else f"checkpoint.write: {w}; weight_sync: {s}"
+
+
+def judge(held: Any, path: Path) -> dict[str, Any]:
+    """One cell: the loader's held weights vs codes × scales of the file."""
+    import numpy as np
+    import torch
+    from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import weight_sync as ws
+
+    config, tensors = ck.read_checkpoint(path)
+    try:
+        want64 = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
+    except ck.CheckpointError as exc:
+        return {"status": "deviation", "detail": f"the file is not a valid blockwise-FP8 checkpoint: {exc}"}
+    missing = sorted(set(want64) - set(held))
+    if missing:
+        return {"status": "deviation", "detail": f"{len(missing)} tensors not held, e.g. {missing[0]}"}
+    n_bad, n_tensors, worst, first = 0, 0, 0.0, ""
+    total = 0
+    for name, w in want64.items():
+        h = held[name]
+        if name in tensors and ws.scale_name(name) not in tensors and h.dtype == tensors[name].dtype:
+            want = tensors[name]
+        else:
+            want = ck.round_exact(w, h.dtype if h.dtype in (torch.bfloat16, torch.float32) else torch.float32)
+        total += w.numel()
+        if tuple(h.shape) != tuple(w.shape):
+            n_tensors += 1
+            first = first or f"{name}: shape {tuple(h.shape)}, expected {tuple(w.shape)}"
+            continue
+        g, e = h.detach().double().numpy(), want.detach().double().numpy()
+        diff = ~((g == e) | (np.isnan(g) & np.isnan(e)))
+        if diff.any():
+            n_bad += int(diff.sum())
+            n_tensors += 1
+            err = float(np.nanmax(np.abs(g - w.double().numpy())[diff]))
+            worst = max(worst, err)
+            first = first or f"{name} {tuple(w.shape)}: {int(diff.sum())} values, max |err| {err:.3g}"
+    if n_tensors:
+        return {"status": "deviation", "values_differ": n_bad, "values": total, "tensors_differ": n_tensors,
+                "max_abs_err": worst, "detail": first}
+    return {"status": "conformant", "values": total, "tensors": len(want64)}
+
+
+def judge_file(path: Path, model: str) -> dict[str, Any]:
+    """The writer's side of a row: every FP8 weight of the file (codes x block scales) within the quantization
+    round-trip bound (tolerance ``quant_roundtrip``) of the model's BF16 weight, every other weight unchanged."""
+    import torch
+    from fp8rl import fixtures, tolerances
+    from fp8rl.reference import checkpoint as ck
+
+    sd = fixtures.tiny_model(model).state_dict
+    config, tensors = ck.read_checkpoint(path)
+    try:
+        pairs = ck.fp8_pairs(config, tensors)
+        got = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
+    except ck.CheckpointError as exc:
+        return {"status": "deviation", "detail": str(exc)}
+    block = tuple(config["quantization_config"]["weight_block_size"])
+    fmt = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+    worst, bad = 0.0, []
+    for name, x in sd.items():
+        if name not in got:
+            bad.append(f"{name} missing")
+            continue
+        if name not in pairs:
+            if not torch.equal(got[name].double(), x.double()):
+                bad.append(f"{name} changed")
+            continue
+        s = pairs[name][1].double().repeat_interleave(block[0], 0)[: x.shape[0]].repeat_interleave(block[1], 1)
+        bound = tolerances.quant_roundtrip_bound(x.abs(), s[:, : x.shape[1]], fmt[pairs[name][0].dtype])
+        ratio = float(((got[name] - x.double()).abs() / bound.clamp_min(1e-300)).max())
+        worst = max(worst, ratio)
+        if ratio > 1:
+            bad.append(f"{name}: error/bound {ratio:.3g}")
+    if bad:
+        return {"status": "deviation", "detail": f"{len(bad)} weights: " + "; ".join(bad[:3])}
+    return {"status": "conformant", "err_over_bound": worst}
+
+
+def _known(loader: str, model: str) -> bool:
+    from fp8rl.plugin import parse_id_file
+    from fp8rl.runner import vendor_file
+
+    f = vendor_file(loader, "xfails")
+    return f is not None and any(p == f"CKPT-LOAD-001[{model}]" for p, _ in parse_id_file(f))
+
+
+def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
+    from fp8rl.engine import capability_reason
+    from fp8rl.registry import EngineLoadError, load_engine
+
+    writers = args.writer or ["reference"]
+    loaders = args.loader or ["reference", "hf-fp8"]
+    models = args.model or list(MODELS)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"--out: cannot create {out}: {exc}")
+        return EXIT_USAGE
+    ckroot = Path(args.checkpoints) if args.checkpoints else out / "checkpoints"
+    t0 = time.perf_counter()
+    engines: dict[str, Any] = {}
+    try:
+        for name in dict.fromkeys(writers + loaders):
+            engines[name] = load_engine(name)
+    except EngineLoadError as exc:
+        print(str(exc))
+        return EXIT_USAGE
+    written: dict[tuple[str, str], Path | str] = {}
+    for w in writers:
+        reason = _writer_reason(engines[w])
+        for m in models:
+            target = ckroot / w.replace(":", "_") / m
+            if reason is not None:
+                written[(w, m)] = target if (target / "config.json").is_file() else f"writer not available: {reason}"
+                continue
+            try:
+                written[(w, m)] = _write(engines[w], ckroot / w.replace(":", "_"), m)
+            except Exception as exc:  # noqa: BLE001 - a writer failure is a cell outcome
+                written[(w, m)] = f"writer raised {type(exc).__name__}: {str(exc)[:300]}"
+    files = {k: judge_file(v, k[1]) if not isinstance(v, str) else {"status": "not run", "detail": v}
+             for k, v in written.items()}
+    cells = []
+    for w in writers:
+        for ld in loaders:
+            for m in models:
+                cell: dict[str, Any] = {"writer": w, "loader": ld, "model": m, "file": files[(w, m)]}
+                src = written[(w, m)]
+                lr = capability_reason(engines[ld], "checkpoint.load")
+                if isinstance(src, str):
+                    cell.update(status="not run", detail=src)
+                elif lr is not None:
+                    cell.update(status="not run", detail=f"loader: {lr}")
+                else:
+                    try:
+                        cell.update(judge(engines[ld].checkpoint_load(src), src))
+                    except Exception as exc:  # noqa: BLE001 - a loader failure is a cell outcome
+                        cell.update(status="error", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                cell["known"] = cell["status"] in ("deviation", "error") and _known(ld, m)
+                cells.append(cell)
+    doc = {"writers": {w: str(engines[w].version()) for w in writers},
+           "loaders": {ld: str(engines[ld].version()) for ld in loaders}, "models": models, "cells": cells,
+           "wall_s": round(time.perf_counter() - t0, 2)}
+    (out / "matrix.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "matrix.md").write_text(render_md(doc))
+    (out / "matrix.html").write_text(render_html(doc))
+    print(render_md(doc))
+    print(f"wall time {doc['wall_s']} s; matrix: {out}/matrix.json, matrix.md, matrix.html")
+    bad = [c for c in cells if c["status"] in ("deviation", "error") and not c["known"]]
+    bad += [f for f in files.values() if f["status"] == "deviation"]
+    return EXIT_FAIL if bad else EXIT_OK
+
+
+def _label(c: dict[str, Any]) -> str:
+    if c["status"] == "conformant":
+        return "conformant"
+    if c["status"] == "deviation" and "values_differ" in c:
+        return f"deviation{' (known)' if c['known'] else ''}: {c['values_differ']}/{c['values']} values in " \
+               f"{c['tensors_differ']} tensors, max err {c['max_abs_err']:.3g}"
+    return f"{c['status']}{' (known)' if c.get('known') else ''}: {c.get('detail', '')}"
+
+
+def _file_label(c: dict[str, Any]) -> str:
+    f = c["file"]
+    if f["status"] == "conformant":
+        return f"within bound (max error/bound {f['err_over_bound']:.3g})"
+    return f"{f['status']}: {f.get('detail', '')}".replace("|", "/")[:200]
+
+
+def render_md(doc: dict[str, Any]) -> str:
+    lines = ["# fp8rl checkpoint interop matrix (writer x loader)", "",
+             "writers: " + ", ".join(f"{k} ({v})" for k, v in doc["writers"].items()),
+             "loaders: " + ", ".join(f"{k} ({v})" for k, v in doc["loaders"].items()), "",
+             "| writer \\ loader | model | file vs BF16 weights | " + " | ".join(doc["loaders"]) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in doc["loaders"]) + " |"]
+    by = {(c["writer"], c["loader"], c["model"]): c for c in doc["cells"]}
+    for w in doc["writers"]:
+        for m in doc["models"]:
+            row = [_label(by[(w, ld, m)]).replace("|", "/") for ld in doc["loaders"]]
+            lines.append(f"| {w} | {m} | {_file_label(by[(w, doc['loaders'] and next(iter(doc['loaders'])), m)])} | "
+                         + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+_COLORS = {"conformant": "#2e7d32", "deviation": "#c62828", "error": "#6a1b9a", "not run": "#9e9e9e"}
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    by = {(c["writer"], c["loader"], c["model"]): c for c in doc["cells"]}
+    head = "".join(f"<th>{html.escape(ld)}<br><small>{html.escape(v)}</small></th>" for ld, v in doc["loaders"].items())
+    rows = []
+    for w, wv in doc["writers"].items():
+        for m in doc["models"]:
+            tds = []
+            for ld in doc["loaders"]:
+                c = by[(w, ld, m)]
+                color = "#ef6c00" if c.get("known") else _COLORS.get(c["status"], "#9e9e9e")
+                tds.append(f'<td style="background:{color};color:#fff" title="{html.escape(json.dumps(c))}">'
+                           f"{html.escape(_label(c))}</td>")
+            fc = _COLORS.get(by[(w, next(iter(doc["loaders"])), m)]["file"]["status"], "#9e9e9e")
+            ftd = f'<td style="background:{fc};color:#fff">{html.escape(_file_label(by[(w, next(iter(doc["loaders"])), m)]))}</td>'
+            rows.append(f"<tr><th>{html.escape(w)}<br><small>{html.escape(wv)}</small></th><td>{html.escape(m)}</td>{ftd}"
+                        + "".join(tds) + "</tr>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>fp8rl checkpoint interop matrix</title>"
+            "<style>body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:6px;font-size:13px;"
+            "max-width:28em}table{border-collapse:collapse}</style></head><body>"
+            "<h1>Checkpoint interop matrix: writer &times; loader</h1>"
+            "<p>green: every held weight = codes &times; block scales of the file, exactly; red: deviation; orange: "
+            "known deviation (vendor xfails); purple: the loader raised; grey: not run.</p>"
+            f"<table><tr><th>writer</th><th>model</th><th>file vs BF16 weights</th>{head}</tr>{''.join(rows)}</table>"
+            f"<p>wall time {doc['wall_s']} s</p></body></html>\n")
