@@ -94,3 +94,20 @@ def test_finding_bad_checkpoints_load_silently(defect, differ, nonfinite):
     held = HfFp8Engine().checkpoint_load(tc._bad_checkpoint(defect))[tc._VICTIM]
     assert int((held.double() != good.double()).sum()) == differ
     assert int((~torch.isfinite(held.float())).sum()) == nonfinite
+
+
+@PIN
+@needs_loader
+def test_interop_matrix_reference_writer_cells(tmp_path):
+    """The writer x loader matrix in this tier: the oracle writer's checkpoints through the oracle and transformers
+    (conformant, except the known non-multiple-of-128 failure), exit 0 (the failure is a listed deviation)."""
+    import json
+
+    from fp8rl.cli import main
+
+    assert main(["checkpoint-matrix", "--writer", "reference", "--loader", "reference", "--loader", "hf-fp8",
+                 "--out", str(tmp_path)]) == 0
+    cells = {(c["loader"], c["model"]): c for c in json.loads((tmp_path / "matrix.json").read_text())["cells"]}
+    assert cells[("hf-fp8", "tiny-qwen3-moe")]["status"] == "conformant"
+    assert cells[("hf-fp8", "tiny-qwen3")]["status"] == "error" and cells[("hf-fp8", "tiny-qwen3")]["known"]
+    assert all(cells[("reference", m)]["status"] == "conformant" for m in ("tiny-qwen3", "tiny-qwen3-moe"))
