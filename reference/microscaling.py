@@ -26,6 +26,10 @@ e5m2, 2 for e2m1; T its max normal, 448, 57344, 6):
 * ``"ceil_log2"``: e = ceil(fl(log2(fl(amax/T)))) with torch's fp32 log2 and amax clamped to the fp32 tiny 2^-126
   first (vLLM ``_mxfp8_e4m3_quantize_torch``): fl(log2 r) rounds to the integer k for r a few ulps above 2^k, so e
   can be one below "ceil" and |x/X| can exceed T by < 2^-16 relative (then RNE gives T).
+* ``"pow2_175"``: amax rounded to a power of two by adding 2^-2 to its significand and truncating (amax →
+  2^(k+1) iff its significand is ≥ 1.75), e = log2 of that − e_max (compressed-tensors ``round_to_power_2`` +
+  ``generate_mx_scales``). For e4m3 (T = 1.75·2^8) it equals "ceil" except at amax = 1.75·2^k exactly (one
+  binade up); for e2m1 (T = 1.5·2^2) blocks with significand in [1.5, 1.75) exceed T and saturate (up to 7 → 6).
 
 e is clamped to [−127, 127] (E8M0 codes 0..254); an all-zero block gets e = −127 (code 0) under every rule.
 Elements: q = fl(x / 2^e) (fp32 division by a power of two), then the RNE cast with saturation.
@@ -34,7 +38,8 @@ Elements: q = fl(x / 2^e) (fp32 division by a power of two), then the RNE cast w
 g is not finite), a per-16-element E4M3 block scale s = e4m3(min(fl(g·r6), 448)) with r6 = fl(amax_b/6)
 (``scale_op="div6"``) or fl(amax_b·fl(1/6)) (``"mul_recip6"``), and E2M1 elements q = RNE(clamp(y, −6, 6)) with
 y = fl(x / fl(s/g)) (``quant_op="div_decoded"``), fl(x·fl(1/fl(s·fl(1/g)))) (``"recip_decoded"``). A block whose
-scale rounds to 0 gets all-zero element codes. Dequantized value: code · s / g.
+scale rounds to 0 gets zero element codes with x's sign (−0 for negative x: what compressed-tensors, whose scale
+becomes its eps 0.125, and vLLM, whose reciprocal becomes 1e-8, both produce). Dequantized value: code · s / g.
 
 Non-finite inputs are not modelled: :func:`mx_quantize` raises on NaN/inf (the OCP spec sets a block's scale to
 NaN; implementations differ and the checks give finite inputs only).
@@ -65,7 +70,7 @@ ELEMENT_EMAX: dict[str, int] = {"e4m3fn": 8, "e5m2": 15, "e2m1": 2}
 ELEMENT_MAX: dict[str, float] = {"e4m3fn": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
 E4M3_MAX = 448.0
 
-ExpRounding = Literal["floor", "ceil", "ceil_log2"]
+ExpRounding = Literal["floor", "ceil", "ceil_log2", "pow2_175"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,8 +164,9 @@ class MXPolicy:
             raise ValueError(f"block: expected a positive int, got {self.block!r}")
         if self.scale_fmt not in ("e8m0fnu", "e4m3fn"):
             raise ValueError(f"scale_fmt: expected 'e8m0fnu' or 'e4m3fn', got {self.scale_fmt!r}")
-        if self.exp_rounding not in ("floor", "ceil", "ceil_log2"):
-            raise ValueError(f"exp_rounding: expected 'floor', 'ceil' or 'ceil_log2', got {self.exp_rounding!r}")
+        if self.exp_rounding not in ("floor", "ceil", "ceil_log2", "pow2_175"):
+            raise ValueError("exp_rounding: expected 'floor', 'ceil', 'ceil_log2' or 'pow2_175', got "
+                             f"{self.exp_rounding!r}")
         if self.ratio_op not in ("div", "mul_recip"):
             raise ValueError(f"ratio_op: expected 'div' or 'mul_recip', got {self.ratio_op!r}")
         if self.scale_op not in ("div6", "mul_recip6"):
@@ -197,6 +203,13 @@ MX_PRESETS: dict[str, MXPolicy] = {p.name: p for p in (
              provenance="vllm-project/vllm vllm/model_executor/layers/quantization/utils/mxfp8_utils.py "
              "_mxfp8_e4m3_quantize_torch (v0.32.0): ceil(log2(amax.clamp(min=tiny) / 448)) + 127, clamp [0, 254]. "
              "Read; run on CPU in .nox/conformance_vllm where available."),
+    MXPolicy("ct_mxfp8", "e4m3fn", 32, exp_rounding="pow2_175",
+             provenance="neuralmagic/compressed-tensors quantization/utils/mxfp_utils.py round_to_power_2 + "
+             "generate_mx_scales (v0.17.0, scheme MXFP8): 127 + floor(log2(round_to_power_2(amax))) − 8. Run on CPU "
+             "(engine compressed-tensors-mx)."),
+    MXPolicy("ct_mxfp4", "e2m1", 32, exp_rounding="pow2_175",
+             provenance="neuralmagic/compressed-tensors quantization/utils/mxfp_utils.py (v0.17.0, scheme MXFP4): "
+             "as ct_mxfp8 with offset 2. Run on CPU (engine compressed-tensors-mx)."),
     MXPolicy("ct_nvfp4", "e2m1", 16, scale_fmt="e4m3fn", scale_op="div6", quant_op="div_decoded",
              provenance="neuralmagic/compressed-tensors quantization/utils/helpers.py calculate_qparams + "
              "generate_gparam, quantization/lifecycle/forward.py _quantize (v0.17.0): g = 448·6/amax_t, "
@@ -264,6 +277,13 @@ def e8m0_exponent(amax: torch.Tensor, policy: MXPolicy) -> torch.Tensor:
         fl, pow2 = _fp32_binade(np.where(rn == 0, 1.0, rn))
         e = np.where(pow2, fl, fl + 1)
         zero = zero | (rn == 0)  # amax > 0 whose ratio underflows to 0: 2^-127 covers it
+    elif policy.exp_rounding == "pow2_175":
+        an = np.where(zero, 1.0, a.numpy()).astype(np.float32)
+        bits = an.view(np.uint32).astype(np.int64)
+        ef = (bits >> 23) & 0xFF
+        up = ((bits & 0x7FFFFF) >= 0x600000) & (ef > 0)  # significand ≥ 1.75 (normal amax)
+        fl, _ = _fp32_binade(an)
+        e = fl + up - ELEMENT_EMAX[policy.elem]
     else:  # ceil_log2
         r = a.clamp(min=2.0**-126) / t
         e = torch.ceil(torch.log2(r)).to(torch.int64).numpy()
@@ -341,7 +361,7 @@ def mx_quantize(x: torch.Tensor, policy: str | MXPolicy) -> MXTensor:
             y = xb / (s / g).unsqueeze(-1)
         else:
             y = xb * (1.0 / (s * (1.0 / g))).unsqueeze(-1)
-        y = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(y), y)
+        y = torch.where((s == 0).unsqueeze(-1), xb * 0.0, y)  # a zero scale: signed zeros (x·0 keeps the sign)
         y = torch.clamp(y, -E2M1_MAX, E2M1_MAX)
         scales = s_codes
     else:

@@ -36,6 +36,8 @@ BUILTINS: dict[str, str] = {
     "openrlhf": "fp8rl.engines.openrlhf:OpenRlhfEngine",
     "skyrl": "fp8rl.engines.skyrl:SkyrlEngine",
     "hf-fp8": "fp8rl.engines.checkpoint_hf:HfFp8Engine",
+    "compressed-tensors-mx": "fp8rl.engines.mx_peers:CompressedTensorsMXEngine",
+    "vllm-mx": "fp8rl.engines.mx_peers:VllmMXEngine",
 }
 
 

@@ -63,7 +63,7 @@ def _nvfp4_with_global(x: torch.Tensor, p: mx.MXPolicy, g: torch.Tensor) -> mx.M
     s_codes = torch.from_numpy(encode_codes(s_raw, "e4m3fn", "saturate")).reshape(amax.shape)
     s = torch.from_numpy(decode_codes(s_codes.numpy(), "e4m3fn").astype(np.float32)).reshape(amax.shape)
     y = xb / (s / g).unsqueeze(-1)
-    y = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(y), y).clamp(-6.0, 6.0)
+    y = torch.where((s == 0).unsqueeze(-1), xb * 0.0, y).clamp(-6.0, 6.0)
     y = y.reshape(*x.shape[:-1], -1)[..., :k]
     codes = torch.from_numpy(mx.encode_e2m1(y)).reshape(y.shape)
     return mx.MXTensor(mx.pack_fp4(codes), s_codes, g, tuple(x.shape), p)
@@ -99,7 +99,7 @@ class Block32For16(ReferenceEngine):
         s = torch.from_numpy(decode_codes(scales.scales.numpy(), "e4m3fn").astype(np.float32)).reshape(
             scales.scales.shape)
         y = x16 / (s / g).unsqueeze(-1)
-        y = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(y), y).clamp(-6.0, 6.0)
+        y = torch.where((s == 0).unsqueeze(-1), x16 * 0.0, y).clamp(-6.0, 6.0)
         y = y.reshape(*x.shape[:-1], -1)[..., :k]
         codes = torch.from_numpy(mx.encode_e2m1(y)).reshape(y.shape)
         return mx.MXTensor(mx.pack_fp4(codes), scales.scales, g, tuple(x.shape), p)

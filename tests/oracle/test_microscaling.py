@@ -169,3 +169,21 @@ def test_bad_input_errors():
         M.get_mx_policy("mxfp6")
     with pytest.raises(ValueError, match="scale_fmt: E4M3 block scales"):
         M.MXPolicy("x", "e4m3fn", 16, scale_fmt="e4m3fn")
+
+
+def test_pow2_175_rule_hand_exact():
+    # significand ≥ 1.75 rounds amax up a binade: 448 = 1.75·2^8 → 2^9 → e = 1; 447 (1.746·2^8) → e = 0; 256 → 0
+    p = M.MX_PRESETS["ct_mxfp8"]
+    assert M.e8m0_exponent(torch.tensor([448.0, 447.0, 256.0, 0.0]), p).tolist() == [1, 0, 0, -127]
+    # e2m1 (T = 6 = 1.5·2^2): amax 6.5 keeps e = 0 and saturates to 6; amax 7 (1.75·2^2) → e = 1
+    q = M.mx_quantize(torch.tensor([[6.5] + [0.0] * 31, [7.0] + [0.0] * 31]), M.MX_PRESETS["ct_mxfp4"])
+    assert q.scales.flatten().tolist() == [127, 128]
+    assert q.codes()[:, 0].tolist() == [7, 6]  # 6.5 → 6 (saturated), 7/2 = 3.5 → 4 (tie to even)
+
+
+def test_nvfp4_zero_scale_block_keeps_signed_zeros_exact():
+    # the second 16-block is 1e-9 of the first: g·amax_b/6 < 2^-10 → scale code 0, elements ±0 with x's sign
+    x = torch.tensor([[6.0] * 16 + [1e-9, -1e-9] * 8])
+    q = M.mx_quantize(x, "nvfp4")
+    assert q.scales.tolist() == [[0x7E, 0x00]]  # 448 = e4m3 0x7E
+    assert q.codes()[0, 16:].tolist() == [0, 8] * 8
