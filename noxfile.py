@@ -243,6 +243,9 @@ def nightly(session: nox.Session) -> None:
     for engine in NIGHTLY_ENGINES:
         run_or_note(f"{engine} sweep", "fp8rl", "conformance", "--engine", engine, "--profile", "nightly", "--seeds",
                     seeds, "-n", "2", "--out", f"fp8rl-nightly/{engine}")
+    # learning parity (docs/learning-parity.md): the default toy GRPO run, ~3 min; exit 1 = "does not match", a finding
+    run_or_note("parity run", "fp8rl", "parity", "--engine", "reference", "--recipe", "fp8-all", "--correction", "tis",
+                "--out", "fp8rl-nightly/parity", success_codes=[0, 1])
     first = seeds.split("..")[0]
     reports = [str(ROOT / "fp8rl-nightly" / engine / f"seed-{first}") for engine in NIGHTLY_ENGINES]
     session.run("fp8rl", "report", "merge", *reports, "--out", "fp8rl-nightly/merge")

@@ -28,7 +28,7 @@ from fp8rl.reference import learning as L
 from fp8rl.reference.correction import LossConfig
 
 CORRECTIONS = tuple(L.CORRECTIONS)
-RECIPES = ("bf16", "fp8-linear", "fp8-kv", "fp8-all")
+RECIPES = ("bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all")
 #: the synthetic mismatch of LEARN-CORR-001: σ of the per-entry logit noise (log-ratios up to ≈ ±1: TIS truncates)
 SYNTH_SIGMA = 0.5
 #: sampled rollouts of LEARN-SAMPLE-001
@@ -166,7 +166,9 @@ def test_rollout_policy_gradient_bound(engine, recipe):
                                 "bias": {r: {c: v["bias"] for c, v in t.items()} for r, t in _BIAS_TABLE.items()},
                                 "cosine": {r: {c: v["cosine"] for c, v in t.items()} for r, t in _BIAS_TABLE.items()},
                                 "variance": {r: {c: v["variance"] for c, v in t.items()}
-                                             for r, t in _BIAS_TABLE.items()}})
+                                             for r, t in _BIAS_TABLE.items()},
+                                "analytic_bound": {r: {c: v["analytic_bound"] for c, v in t.items() if c in TIS}
+                                                   for r, t in _BIAS_TABLE.items()}})
     assert not bad, f"{recipe}: " + "; ".join(bad)
 
 

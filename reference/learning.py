@@ -142,7 +142,7 @@ def toy_config(task: ToyTask, *, hidden: int = 32, layers: int = 1, heads: int =
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": task.vocab,
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
         "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
         "sliding_window": None, "max_window_layers": layers, "bos_token_id": None, "eos_token_id": 0,
         "pad_token_id": 0, "initializer_range": 0.02, "torch_dtype": "bfloat16", "use_cache": True,

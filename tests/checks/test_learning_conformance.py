@@ -30,7 +30,7 @@ def test_reference_passes_the_learning_area_exact(tmp_path):
     assert all(c["outcome"] == "passed" for c in res), [(c["id"], c["outcome"]) for c in res if
                                                         c["outcome"] != "passed"]
     table = rep["sections"]["learning"]["bias"]
-    assert set(table) == {"bf16", "fp8-linear", "fp8-kv", "fp8-all"}
+    assert set(table) == {"bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all"}
     for recipe, row in table.items():
         # untruncated sequence IS removes the mismatch bias; no correction leaves it (the toy's mismatch is visible)
         assert row["is"] < 1e-5 < row["none"], (recipe, row)
