@@ -22,7 +22,8 @@ from ._common import _vllm_version, vllm_reason
 
 #: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
 CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
-                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.logits")
+                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.logits",
+                             "checkpoint.load", "checkpoint.write")
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -46,6 +47,10 @@ class VllmLLMMixin:
                                       "runs on AVX-512")
         caps["rollout.fp8-all"] = (f"vllm {v} on CPU: no FP8 query / FP8 attention (CPU_ATTN folds k_scale into the "
                                    "softmax scale, Q stays BF16) and no block-FP8 linear without AMX")
+        caps["checkpoint.load"] = (f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start "
+                                   "without AMX (measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support "
+                                   "(Sapphire Rapids or newer)'), so the adapter has no checkpoint_load (docs/checkpoint.md)")
+        caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"
         return caps
 
     # -- area e2e: rollouts through vllm.LLM ------------------------------------------------------------------------
