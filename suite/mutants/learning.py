@@ -53,3 +53,22 @@ class LearnIsBeforeAdvNorm(ReferenceEngine):
         vals = adv[m]
         adv = torch.where(m, (adv - vals.mean()) / vals.std().clamp_min(1e-12), 0.0)
         return C.policy_loss(logp, old_logp, adv, mask, None, config).to(logp.dtype)
+
+
+class _TopKSampler(RolloutPolicy):
+    """Samples from the top-4 tokens only and reports that truncated distribution consistently (log-probs and
+    logits, the others at −inf): a rollout policy without full support."""
+
+    def decode_step(self, logits, greedy, generator):
+        x = logits.float()
+        kth = x.topk(4, dim=-1).values[:, -1:]
+        x = torch.where(x >= kth, x, torch.tensor(float("-inf")))
+        return super().decode_step(x, greedy, generator)
+
+
+@mutant("learn-topk-no-support", "rollouts sample with top-k = 4 (a sampling default left on): π_rollout gives the "
+        "other tokens probability 0, where no importance weight can correct, so even untruncated IS is biased",
+        kills=("LEARN-ROLLOUT-001", "LEARN-SAMPLE-001"))
+class LearnTopKNoSupport(ReferenceEngine):
+    def _rollout_policy_class(self):
+        return _TopKSampler
