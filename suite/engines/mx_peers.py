@@ -66,6 +66,9 @@ class CompressedTensorsMXEngine(Engine):
             from compressed_tensors.quantization.lifecycle.forward import quantize
             from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
+            # FP4_E2M1_DATA.cast_to_fp4 is decorated with @torch.compile: on CPU inductor compiles it per shape
+            # (~40 s per run); eager runs the same comparisons and assignments, exactly (instrument_notes says so)
+            torch._dynamo.config.disable = True
             self._ct = dict(version=compressed_tensors.__version__, pack=pack_fp4_to_uint8, quantize=quantize,
                             qparams=calculate_qparams, gparam=generate_gparam, schemes=quant_scheme)
         except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"
@@ -73,6 +76,10 @@ class CompressedTensorsMXEngine(Engine):
 
     def version(self) -> str:
         return f"compressed-tensors {self._ct['version']}" if self._ct else "compressed-tensors not installed"
+
+    def instrument_notes(self) -> list[str]:
+        return ["torch.compile disabled (torch._dynamo.config.disable): compressed-tensors' @torch.compile "
+                "cast_to_fp4 runs eagerly — the same elementwise comparisons and assignments, no inductor codegen"]
 
     def capabilities(self) -> CapabilityMap:
         if self._ct is None:
