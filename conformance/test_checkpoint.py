@@ -163,12 +163,24 @@ def test_checkpoint_writer_config_exact(engine, model, tmp_path):
 # loaders: checkpoints written by the oracle writer
 
 
+@functools.lru_cache(maxsize=1)
+def _scratch() -> Path:
+    """One temporary folder per process for the checkpoints the loader checks read, removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="fp8rl-ckpt-"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
 @functools.lru_cache(maxsize=16)
 def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = ()) -> Path:
     import tempfile
 
     tm = fixtures.tiny_model(model)
-    root = Path(tempfile.mkdtemp(prefix=f"fp8rl-ckpt-{model}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=_scratch()))
     return ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
 
 
@@ -269,7 +281,7 @@ def _bad_checkpoint(defect: str) -> Path:
         config["quantization_config"]["weight_block_size"] = [64, 64]
     else:
         raise ValueError(f"defect: unknown defect {defect!r}")
-    out = Path(tempfile.mkdtemp(prefix=f"fp8rl-bad-{defect}-"))
+    out = Path(tempfile.mkdtemp(prefix=f"bad-{defect}-", dir=_scratch()))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
