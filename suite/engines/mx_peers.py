@@ -192,6 +192,8 @@ class VllmMXEngine(Engine):
             raise Unsupported("mixed recipes")
         if a.policy.two_level:
             def deq(q: mx.MXTensor) -> torch.Tensor:
+                if q.global_scale is None:
+                    raise ValueError("w: an NVFP4 operand needs its global scale")
                 inv = (1.0 / q.global_scale.to(torch.float32)).reshape(())
                 return self._v["nv"].dequantize_to_dtype(q.data, q.scales.view(torch.float8_e4m3fn), inv,
                                                          torch.float32, 16, swizzle=False)
