@@ -40,6 +40,8 @@ def _class_weight(cls: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1800 + sum(map(ord, cls)))
     if cls == "ragged":
         return torch.randn(200, 300, generator=g)
+    if cls == "narrow":  # K <= 128: a single column of blocks, scale grid (3, 1)
+        return torch.randn(300, 100, generator=g)
     if cls == "zero_rows":
         w = torch.randn(130, 257, generator=g)
         w[:5] = 0
@@ -66,7 +68,7 @@ def _class_weight(cls: str) -> torch.Tensor:
     raise ValueError(f"cls: unknown input class {cls!r}")
 
 
-WRITER_CLASSES = ("ragged", "zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_amax", "outliers")
+WRITER_CLASSES = ("ragged", "narrow", "zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_amax", "outliers")
 
 
 def _class_state_dict(cls: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -121,7 +123,7 @@ def test_checkpoint_writer_model_exact(engine, model, precision, tmp_path):
 @pytest.mark.parametrize("cls", WRITER_CLASSES)
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @check("CKPT-WRITE-002", "A writer's codes and scales are bit-exact under its declared block policy on every input "
-       "class: shapes that are not multiples of 128, all-zero rows, columns and 128x128 blocks, tiny (1e-30) and "
+       "class: shapes that are not multiples of 128 (and K <= 128: one column of blocks), all-zero rows, columns and 128x128 blocks, tiny (1e-30) and "
        "huge (1e37) amax, outliers, in BF16 and fp32.", requires=["checkpoint.write"])
 def test_checkpoint_writer_classes_exact(engine, cls, precision, tmp_path):
     sd = _class_state_dict(cls, torch.float32 if precision == "fp32" else torch.bfloat16)

@@ -117,6 +117,16 @@ class WriterZeroBlock(ReferenceEngine):
         return _rewrite(p, edit)
 
 
+@mutant("ckpt-writer-squeezed-scale", "the writer squeezes the last dimension of every scale grid (written for a "
+        "(blk_m, blk_n, 1) descale): a weight with K <= 128 ships a 1-D (ceil(N/128),) scale (veRL's Triton-path "
+        "finding, verl-triton.xfails WSYNC-*)", kills=("CKPT-WRITE-001", "CKPT-WRITE-002"))
+class WriterSqueezedScale(ReferenceEngine):
+    def checkpoint_write(self, out_dir, config, state_dict):
+        p = super().checkpoint_write(out_dir, config, state_dict)
+        return _rewrite(p, lambda t: {k: v.squeeze(-1).contiguous() if k.endswith("_scale_inv") else v
+                                      for k, v in t.items()})
+
+
 # -- loaders -------------------------------------------------------------------------------------------------------
 
 def _reload_with(path, block=None, scale_fn=None, skip_ignored=False, validate=True):
@@ -211,4 +221,29 @@ class LoaderNoValidation(ReferenceEngine):
                 out[name] = ck.dequantize_exact(t, s, (128, 128), torch.bfloat16)
             else:
                 out[name] = t
+        return out
+
+
+@mutant("ckpt-loader-block-from-grid", "the loader ignores weight_block_size and derives the block from the scale "
+        "grid (block = N // grid rows, as transformers' Fp8Dequantize): ceil-div grids of dimensions that are not "
+        "multiples of 128 fail or get the wrong geometry, a contradicting weight_block_size passes",
+        kills=("CKPT-LOAD-001", "CKPT-BAD-001"))
+class LoaderBlockFromGrid(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import weight_sync as ws
+
+        _, tensors = ck.read_checkpoint(path)
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(ws.SCALE_SUFFIX):
+                continue
+            s = tensors.get(ws.scale_name(name))
+            if s is None:
+                out[name] = t
+                continue
+            (n, k), (gn, gk) = t.shape, s.shape
+            if n % gn or k % gk:
+                raise ValueError(f"Weight shape ({n}, {k}) not divisible by scale grid ({gn}, {gk}).")
+            out[name] = ck.dequantize_exact(t, s.float(), (n // gn, k // gk), torch.bfloat16)
         return out
