@@ -1,37 +1,34 @@
-"""The learning area end to end: ``fp8rl conformance --engine reference --area learning`` passes every check and
-writes the bias table section (the torch engine's skips, with reasons, are exercised by the main job). (The
-mutants the area kills: suite/mutants/learning.py, proven by tests/checks/test_mutants.py.)"""
+"""The learning area's checks on the reference engine, in process (the full ``fp8rl conformance --engine reference``
+runs of tests/harness/test_harness.py and tests/checks/test_coverage.py include the area and must be conformant;
+the mutants it kills: suite/mutants/learning.py, proven by tests/checks/test_mutants.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-AREA_CHECKS = {"LEARN-ONPOL-001", "LEARN-CORR-001", "LEARN-ROLLOUT-001", "LEARN-SAMPLE-001"}
-
-
-def _run(tmp_path, engine: str) -> dict:
-    out = tmp_path / engine
-    r = subprocess.run([sys.executable, "-m", "fp8rl", "conformance", "--engine", engine, "--area", "learning",
-                        "--no-isolation", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((out / "report.json").read_text())
+import pytest
+from fp8rl.checks import GuardedEngine
+from fp8rl.conformance import test_learning as T
+from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference import learning as L
 
 
-def _results(report: dict) -> list[dict]:
-    return report["checks"] if "checks" in report else report["results"]
+@pytest.fixture(scope="module")
+def engine():
+    return GuardedEngine(ReferenceEngine())
 
 
-def test_reference_passes_the_learning_area_exact(tmp_path):
-    rep = _run(tmp_path, "reference")
-    res = _results(rep)
-    assert {c["id"] for c in res} == AREA_CHECKS
-    assert all(c["outcome"] == "passed" for c in res), [(c["id"], c["outcome"]) for c in res if
-                                                        c["outcome"] != "passed"]
-    table = rep["sections"]["learning"]["bias"]
-    assert set(table) == {"bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all"}
-    for recipe, row in table.items():
-        # untruncated sequence IS removes the mismatch bias; no correction leaves it (the toy's mismatch is visible)
-        assert row["is"] < 1e-5 < row["none"], (recipe, row)
+@pytest.mark.parametrize("correction", T.CORRECTIONS)
+def test_reference_estimator_matches_oracle_on_and_off_policy_bound(engine, correction):
+    T.test_on_policy_unbiased_bound(engine, correction)
+    T.test_correction_under_mismatch_bound(engine, correction)
 
+
+@pytest.mark.parametrize("recipe", T.RECIPES)
+def test_reference_bias_table_bound(engine, recipe):
+    """Every recipe's enumerated rollout policy: untruncated IS removes the mismatch bias to arithmetic level; no
+    correction leaves a visible bias (the toy's FP8 and BF16 mismatch is real); token TIS sits in between."""
+    _, _, _, table = L.toy_fixture(0)
+    q = T.rollout_policy_table(engine, recipe)
+    bias = {c: L.expected_gradient(table, q, L.oracle_coefficients(table, q, c)).bias
+            for c in ("none", "is", "token-tis")}
+    assert bias["is"] < 1e-5 < bias["token-tis"] < bias["none"], (recipe, bias)
+    T.test_rollout_policy_gradient_bound(engine, recipe)
