@@ -20,8 +20,9 @@ class LearnInvertedRatio(ReferenceEngine):
 
 
 class _RawLogprobSampler(RolloutPolicy):
-    """Samples at temperature 1.5 but reports the raw (temperature-1) log-probs and logits: vLLM V1's default
-    ``logprobs_mode='raw_logprobs'`` returns the model's log-probs before the sampler's temperature."""
+    """Samples at temperature 1.5 but reports the raw (temperature-1) log-probs and logits: vLLM's default
+    ``logprobs_mode='raw_logprobs'`` (vllm/config/model.py ``ModelConfig.logprobs_mode``, vLLM 0.32.0) returns the
+    model's log-probs before the sampler's temperature."""
 
     def decode_step(self, logits, greedy, generator):
         if greedy:
