@@ -14,7 +14,7 @@
   vLLM (a checkpoint's ``input_global_scale``/``weight_global_scale``, which compressed-tensors writes as 448·6/amax):
   the adapter passes that formula's fp32 value.
 
-Not on CPU at all (the reasons ``fp8rl engines`` gives): TransformerEngine's MXFP8/NVFP4 quantizers are CUDA kernels
+Not on CPU at all (docs/microscaling.md): TransformerEngine's MXFP8/NVFP4 quantizers are CUDA kernels
 (``transformer_engine`` needs CUDA to import); torchao's MX/NVFP4 tensors are not installed in any tier.
 Both adapters need the ``conformance_vllm`` environment (``nox -s conformance_vllm --install-only``).
 """
