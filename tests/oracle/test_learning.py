@@ -112,3 +112,15 @@ def test_bad_input_errors():
         L.ToyTask(prompt=(9,))
     with pytest.raises(ValueError, match="correction"):
         L.correction_config("bogus")
+
+
+def test_synthetic_mismatch_decisions_are_unambiguous_bound(toy):
+    """LEARN-CORR-001 compares an engine computing in float32 with the float64 oracle: no truncation / IcePop
+    decision of its fixed synthetic table lies within 1e-5 (log space) of a threshold, far beyond float32 rounding
+    of the log-ratios (≤ 1e-6 here), so a correct engine cannot flip one."""
+    _, _, _, table = toy
+    q = L.perturbed_table(table, 0.5, seed=1)
+    d = table.seq_token_logp() - table.seq_token_logp(q)
+    log_caps = torch.log(torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert float((d[..., None] - log_caps).abs().min()) > 1e-5
+    assert float((d.sum(-1)[:, None] - log_caps).abs().min()) > 1e-5
