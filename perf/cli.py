@@ -6,7 +6,7 @@
     fp8rl perf ingest   --run CONFIG FILE... [--run CONFIG FILE...] --model-name NAME --out FILE
     fp8rl perf gate     RESULTS... [--claims F] [--baseline B --max-regression 5%] [--out DIR]
     fp8rl perf claims   list the claims the gate knows
-    fp8rl perf hardware list the hardware specs the model knows
+    fp8rl perf hardware list the hardware specs the model knows; --probe [--out FILE] measures this machine
 
 Exit codes: 0 ok/pass; 1 fail (gate FAIL/REGRESSED, or a harness run broke the workload); 2 usage error, engine
 without the rollout capability, or nothing gated; 3 gate SUSPECT (no failure, but a measurement looks wrong).
@@ -282,7 +282,7 @@ def _print_gate(report, code: int) -> None:
               "INFO": "blue", "NO-CLAIM": "dim"}
     t = Table(title=f"perf gate: {g.overall_verdict(report)} (exit {code}; {report.confidence:.0%} bootstrap CIs)",
               title_justify="left")
-    for c in ("file", "group", "comparison", "n", "ratio", "CI", "claim", "band", "ceiling", "verdict"):
+    for c in ("file", "group", "comparison", "n", "ratio", "CI", "claim", "band", "ceiling", "vs model", "verdict"):
         t.add_column(c)
     for r in report.rows:
         e = r.estimate
@@ -291,7 +291,7 @@ def _print_gate(report, code: int) -> None:
         col = colors.get(r.verdict, "white")
         t.add_row(Path(r.file).name, r.group, f"{r.config} / {r.baseline}", str(e.n), f"{_fmt(e.point)}×",
                   f"[{_fmt(e.lo)}, {_fmt(e.hi)}]", r.claim_id or "–", band, _fmt(r.ceiling, 2),
-                  f"[{col}]{r.verdict}[/{col}]")
+                  "–" if r.model_error is None else f"{r.model_error:+.1%}", f"[{col}]{r.verdict}[/{col}]")
     con.print(t)
     for r in report.rows:
         if r.reason and r.verdict not in ("PASS", "NO-CLAIM", "INFO"):
@@ -334,6 +334,8 @@ def cmd_claims(args: argparse.Namespace) -> int:
 def cmd_hardware(args: argparse.Namespace) -> int:
     from fp8rl.perf import model as pm
 
+    if args.probe:
+        return _cmd_probe(args)
     hws = [pm.load_hardware(n) for n in pm.known_hardware()]
     if args.json:
         from dataclasses import asdict
@@ -349,6 +351,37 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         t.add_row(h.name, h.cls, _gib(h.hbm_bytes), f"{h.hbm_bandwidth_Bps / 1e12:.2f} TB/s",
                   f"{h.bf16_dense_flops / 1e12:,.0f} TFLOP/s", f"{h.fp8_dense_flops / 1e12:,.0f} TFLOP/s")
     _console().print(t)
+    return EXIT_OK
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from fp8rl.perf import model as pm
+    from fp8rl.perf.probe import probe, probe_file, write_probe
+
+    try:
+        probed = probe(args.device, size_mib=args.size_mib, matmul_n=args.matmul_n, repeats=args.repeats,
+                       name=args.name)
+    except ValueError as exc:
+        return _err(str(exc))
+    out = write_probe(probed, args.out) if args.out else None
+    if args.json:
+        print(json.dumps(probe_file(probed), indent=2))
+        return EXIT_OK
+    e, m = probed["entry"], probed["entry"]["measured"]
+    con = _console()
+    con.print(f"{probed['name']} ({m['device_name']}, {m['device']}, {m['threads']} threads, load "
+              f"{m['loadavg_1m']:.2f})" if m["loadavg_1m"] is not None else probed["name"])
+    con.print(f"  memory      {_gib(e['hbm_bytes'])}")
+    con.print(f"  bandwidth   copy {m['stream']['copy_Bps'] / 1e9:,.2f} GB/s, triad {m['stream']['triad_Bps'] / 1e9:,.2f}"
+              f" GB/s ({m['stream']['size_mib']} MiB)")
+    mm = m["matmul"]
+    fp8 = (f"{mm['fp8_scaled_mm_flops'] / 1e9:,.1f} GFLOP/s" if mm["fp8_supported"]
+           else f"unsupported ({mm['fp8_reason']})")
+    con.print(f"  matmul n={mm['n']}  fp32 {mm['fp32_flops'] / 1e9:,.1f}, bf16 {mm['bf16_flops'] / 1e9:,.1f} GFLOP/s, "
+              f"fp8 _scaled_mm {fp8}")
+    if out is not None:
+        pm.load_hardware(str(out))  # the written file must load in the model
+        con.print(f"written: {out}  (use: fp8rl perf model --hardware {out} ...; fp8rl perf run --hardware {out})")
     return EXIT_OK
 
 
@@ -435,6 +468,17 @@ def register(subparsers) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_claims)
 
-    h = sub.add_parser("hardware", help="list hardware specs")
+    h = sub.add_parser("hardware", help="list hardware specs, or --probe this machine")
     h.add_argument("--json", action="store_true")
+    h.add_argument("--probe", action="store_true",
+                   help="measure this machine (STREAM copy/triad, fp32/bf16 matmul, FP8 _scaled_mm) and write a "
+                        "hardware.json-format entry (fp8rl.perf.probe)")
+    h.add_argument("--out", default=None, help="with --probe: file to write (use it as --hardware FILE)")
+    h.add_argument("--device", default=None, choices=("cpu", "cuda"), help="with --probe (default: cuda if present)")
+    h.add_argument("--name", default=None, help="with --probe: entry name (default: probed-<device name>)")
+    h.add_argument("--size-mib", type=int, default=None,
+                   help="with --probe: STREAM vector size (default 256 MiB on CPU, 2048 MiB on CUDA)")
+    h.add_argument("--matmul-n", type=int, default=None,
+                   help="with --probe: n of the n^3 matmuls (default 2048 on CPU, 8192 on CUDA)")
+    h.add_argument("--repeats", type=int, default=5, help="with --probe: best of N (default 5)")
     h.set_defaults(func=cmd_hardware)

@@ -22,8 +22,8 @@ def to_markdown(report: GateReport) -> str:
     pct = f"{report.confidence:.0%}"
     lines = [f"**perf gate: {overall_verdict(report)}** (exit {exit_code(report)}; {pct} bootstrap CIs)", "",
              f"| file | model | engine | hardware | group | comparison | n | ratio | {pct} CI | claim | band | "
-             "ceiling | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ceiling | measured vs model | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.rows:
         e = r.estimate
         band = (f"{_fmt(r.claim_lower, 2)}–{_fmt(r.claim_upper, 2)}" if r.claim_upper is not None
@@ -31,7 +31,8 @@ def to_markdown(report: GateReport) -> str:
         comp = f"{r.config} / {r.baseline}"
         lines.append(f"| {Path(r.file).name} | {r.model} | {r.engine} | {r.hardware} | {r.group} | {comp} | {e.n} | "
                      f"{_fmt(e.point)}× | [{_fmt(e.lo)}, {_fmt(e.hi)}] | {r.claim_id or '–'} | {band} | "
-                     f"{_fmt(r.ceiling, 2)} | **{r.verdict}** |")
+                     f"{_fmt(r.ceiling, 2)} | {'–' if r.model_error is None else f'{r.model_error:+.1%}'} | "
+                     f"**{r.verdict}** |")
     reasons = [f"- `{r.claim_id or r.config}` ({Path(r.file).name}, {r.group}): {r.reason}" for r in report.rows
                if r.reason]
     if reasons:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
@@ -51,7 +52,7 @@ from typing import Any
 
 __all__ = [
     "PRECISIONS", "Precision", "ModelSpec", "Hardware", "Workload", "WeightGroup", "ConfigEstimate",
-    "load_model_spec", "known_models", "load_hardware", "known_hardware", "match_hardware", "get_precision",
+    "load_model_spec", "known_models", "load_hardware", "load_hardware_file", "known_hardware", "match_hardware", "get_precision",
     "weight_bytes", "kv_bytes_per_token", "kv_capacity_tokens", "max_concurrency", "memory_budget",
     "budget_from_kv_tokens", "decode_step", "estimate", "estimate_all", "speedup_ceiling", "gemm_time_lb",
     "gemm_speedup_ceiling", "normalize_model_name",
@@ -99,6 +100,7 @@ WEIGHT_FORMATS: dict[str, tuple[float, int, int, int]] = {
     "mxfp8": (1.0, 1, 32, 0),           # E4M3 + E8M0 per 32: 1 + 1/32 = 1.03125 B/weight
     "mxfp4": (0.5, 1, 32, 0),           # E2M1 (packed) + E8M0 per 32: 0.5 + 1/32 = 0.53125 B/weight
     "nvfp4": (0.5, 1, 16, 4),           # E2M1 (packed) + E4M3 per 16 + fp32 global: 0.5625 B/weight + 4 B/tensor
+    "fp8-per-channel": (1.0, 4, 1 << 30, 0),  # FP8 + one fp32 scale per output row (vLLM fp8_per_channel / PTPC)
 }
 
 #: the microscaling rollout recipes (docs/microscaling.md): not in PRECISIONS (the FP8 tables keep their rows); name
@@ -112,6 +114,15 @@ MX_PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("nvfp4-experts", True, False, False, "NVFP4 MoE experts only (E2M1 + E4M3 per 16 + fp32 global); "
               "attention/dense linears, boundary layers, embeddings and lm_head BF16; BF16 KV cache",
               weight_format="nvfp4", quant_kinds=("expert",)),
+)}
+
+
+#: other FP8 recipes an engine runs (not in PRECISIONS, so the paper's tables keep their rows): vLLM's
+#: ``quantization="fp8_per_channel"`` = per-token activations × per-channel weights (PTPC), the W8A8 recipe vLLM's
+#: CPU build runs. For the model it is FP8-linear with one fp32 scale per weight row.
+VARIANT_PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp8-linear-ptpc", True, False, False, "W8A8 FP8 linear, per-token activation and per-channel weight "
+              "scales (vLLM fp8_per_channel); BF16 KV cache", weight_format="fp8-per-channel"),
 )}
 
 
@@ -140,6 +151,8 @@ def get_precision(name: str | Precision) -> Precision:
     key = str(name).strip().lower().replace("_", "-")
     if key in MX_PRECISIONS:
         return MX_PRECISIONS[key]
+    if key in VARIANT_PRECISIONS:
+        return VARIANT_PRECISIONS[key]
     if key not in _PRECISION_ALIASES:
         raise ValueError(f"precision: unknown config {name!r}; expected one of {list(PRECISIONS)}")
     return PRECISIONS[_PRECISION_ALIASES[key]]
@@ -394,9 +407,7 @@ class Hardware:
         return self.fp8_dense_flops if fp8 else self.bf16_dense_flops
 
 
-@cache
-def _hardware_table() -> dict[str, Hardware]:
-    data = json.loads((_perf_files() / "hardware.json").read_text())
+def _parse_hardware(data: dict) -> dict[str, Hardware]:
     out = {}
     for name, h in data["hardware"].items():
         out[name] = Hardware(name=name, cls=h["class"], hbm_bytes=int(h["hbm_bytes"]),
@@ -404,6 +415,26 @@ def _hardware_table() -> dict[str, Hardware]:
                              bf16_dense_flops=float(h["bf16_dense_flops"]), fp8_dense_flops=float(h["fp8_dense_flops"]),
                              match=tuple(h.get("match", ())), source=h.get("source", ""))
     return out
+
+
+@cache
+def _hardware_table() -> dict[str, Hardware]:
+    return _parse_hardware(json.loads((_perf_files() / "hardware.json").read_text()))
+
+
+def load_hardware_file(path: str | Path) -> dict[str, Hardware]:
+    """The entries of a file in the hardware.json format (e.g. written by ``fp8rl perf hardware --probe``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        if data.get("schema") != "fp8rl.perf.hardware" or not isinstance(data.get("hardware"), dict):
+            raise ValueError("not a fp8rl.perf.hardware file")
+        table = _parse_hardware(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"hardware: {p} is not a usable hardware.json-format file ({exc})") from None
+    if not table:
+        raise ValueError(f"hardware: {p} has no entries")
+    return table
 
 
 def known_hardware() -> list[str]:
@@ -414,6 +445,22 @@ def load_hardware(name: str | Hardware) -> Hardware:
     """A hardware entry by name (case-insensitive; a device name such as ``NVIDIA H200`` is matched too)."""
     if isinstance(name, Hardware):
         return name
+    text = str(name).strip()
+    if text.endswith(".json") or os.sep in text:
+        # a probed (or hand-written) hardware.json-format file, optionally FILE#ENTRY
+        fname, _, entry = text.partition("#")
+        if Path(fname).is_file():
+            ftable = load_hardware_file(fname)
+            if entry:
+                if entry not in ftable:
+                    raise ValueError(f"hardware: {fname} has no entry {entry!r}; it has {', '.join(ftable)}")
+                return ftable[entry]
+            if len(ftable) > 1:
+                raise ValueError(f"hardware: {fname} has {len(ftable)} entries; name one as FILE#ENTRY "
+                                 f"({', '.join(ftable)})")
+            return next(iter(ftable.values()))
+        if text.endswith(".json"):
+            raise ValueError(f"hardware: no such file {fname}")
     table = _hardware_table()
     for key, hw in table.items():
         if key.lower() == str(name).strip().lower():

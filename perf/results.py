@@ -58,6 +58,10 @@ def hardware_block(name: str | None) -> dict[str, str | None]:
     if name.lower() == "cpu":
         return {"name": None, "class": "cpu", "device": cpu_model()}
     hw = load_hardware(name)
+    fname = name.partition("#")[0]
+    if Path(fname).is_file():  # a probed hardware file: the gate's model ceiling reads it again from "file"
+        return {"name": hw.name, "class": hw.cls, "device": hw.match[0] if hw.match else hw.name,
+                "file": str(Path(fname).resolve()) + name[len(fname):]}
     return {"name": hw.name, "class": hw.cls, "device": name}
 
 
