@@ -268,7 +268,8 @@ def nightly(session: nox.Session) -> None:
     session.run("asv", "machine", "--yes", *machine_args, *ASV_CONF)
     run_or_note("asv run (a benchmark failed)", "asv", "run", *ASV_CONF, *machine_args, "--python=same",
                 f"--set-commit-hash={head}", "--show-stderr", *session.posargs[1:],
-                env={"FP8RL_ASV_REPORTS": os.pathsep.join(reports)})
+                env={"FP8RL_ASV_REPORTS": os.pathsep.join(reports),
+                     "FP8RL_ASV_ENGINE_PERF": str(ROOT / "fp8rl-nightly" / "perf-vllm")})
     session.run("asv", "publish", *ASV_CONF)
     _asv_offline(session, ".asv/html")
     if failed:

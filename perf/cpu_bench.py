@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()
     except OSError:  # pragma: no cover
         load = None
-    summary = {"schema": "fp8rl.perf.cpu_bench", "hardware": str(hw_file), "results": files,
+    summary = {"schema": "fp8rl.perf.cpu_bench", "engine": "vllm", "engine_version": eng.version(),
+               "hardware": str(hw_file), "results": files,
                "loadavg": load, "wall_s": time.perf_counter() - t0,
                "workload_wall_s": {k: v["wall_s"] for k, v in timing.items()}, "gate_exit": rc, "rows": rows}
     (out / "cpu_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
