@@ -306,3 +306,165 @@ def test_checkpoint_loader_rejects_bad_exact(engine, defect):
     what = f"{_VICTIM} held as {w.dtype} {tuple(w.shape)}, {int(torch.isnan(w.float()).sum())} NaN, " \
            f"{int(torch.isinf(w.float()).sum())} inf" if isinstance(w, torch.Tensor) else "no such weight"
     raise AssertionError(f"checkpoint with defect {defect!r} loaded without an error ({what})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention (KV cache and query) scales stored in a checkpoint
+
+#: per layer of the KV-scale checkpoint: which of q/k/v the file stores, with distinct values (powers of two and
+#: exact binary fractions, none 1.0, so a default 1.0 or a swap shows)
+KV_CASES: dict[str, dict[str, float]] = {
+    "qkv": {"q": 0.25, "k": 0.0625, "v": 0.125},
+    "none": {},
+    "kv-no-q": {"k": 0.5, "v": 0.375},
+    "k-only": {"k": 0.75},
+}
+
+
+@functools.lru_cache(maxsize=2)
+def _kv_checkpoint(cases: tuple[tuple[str, float], ...] | None = None) -> Path:
+    """tiny-qwen3 stacked to one layer per KV case (layers 0-1 repeated), every projection kept in BF16 and listed
+    in ignored_layers (so a loader needs no FP8 linear kernel: on CPU vLLM has none for block or per-tensor FP8
+    weights), and the attention scales of KV_CASES, layer i holding case i; with ``cases`` (a tuple of (q|k|v,
+    value)), two layers holding those scales instead."""
+    import tempfile
+
+    tm = fixtures.tiny_model("tiny-qwen3")
+    n0 = int(tm.config["num_hidden_layers"])
+    rows = list(KV_CASES.values()) if cases is None else [dict(cases), dict(cases)]
+    sd = {}
+    for name, t in tm.state_dict.items():
+        if not name.startswith("model.layers."):
+            sd[name] = t
+            continue
+        i, rest = name[len("model.layers."):].split(".", 1)
+        for j in range(len(rows)):
+            if j % n0 == int(i):
+                sd[f"model.layers.{j}.{rest}"] = t.clone()
+    config = dict(tm.config, num_hidden_layers=len(rows))
+    keep = tuple(sorted({n[: -len(".weight")] for n, t in sd.items() if t.dim() == 2 and n.endswith("_proj.weight")}))
+    root = Path(tempfile.mkdtemp(prefix="kv-scales-", dir=_scratch()))
+    ck.write_checkpoint(root, config, sd, ck.CheckpointSpec(keep=keep))
+    return ck.write_attention_scales(root, dict(enumerate(rows)))
+
+
+_KV_LOADED: dict = {}
+
+
+@pytest.mark.parametrize("case", list(KV_CASES))
+@check("CKPT-KV-001", "A loader running an FP8 (e4m3) KV cache on a checkpoint that stores k_scale, v_scale and "
+       "q_scale per layer, each present or absent, uses exactly the file's scales, and where one is absent the "
+       "documented default (k and v absent: 1.0; k alone: the k scale for both; q absent: the k scale).",
+       requires=["checkpoint.attention_scales"], timeout=600)
+def test_checkpoint_attention_scales_exact(engine, case):
+    path = _kv_checkpoint()
+    key = (engine.name, id(engine), str(path))
+    if key not in _KV_LOADED:  # one load per engine for all cases (a vLLM start: ~25-60 s on CPU)
+        try:
+            _KV_LOADED[key] = engine.checkpoint_attention_scales(path)
+        except Exception as e:  # every case reports the same load error, without loading again
+            _KV_LOADED[key] = e
+    used = _KV_LOADED[key]
+    if isinstance(used, Exception):
+        raise used
+    layer = list(KV_CASES).index(case)
+    config, tensors = ck.read_checkpoint(path)
+    want = ck.expected_attention_scales(ck.attention_scales_in_file(tensors, config["num_hidden_layers"]))[layer]
+    got = used.get(layer) if isinstance(used, dict) else None
+    if not isinstance(got, dict):
+        raise AssertionError(f"layer {layer} ({case}): checkpoint_attention_scales gave {got!r}, expected a "
+                             "{'q', 'k', 'v'} dict")
+    bad = [f"{x}_scale {got.get(x)!r}, expected {want[x]!r}" for x in ck.ATTENTION_SCALES if got.get(x) != want[x]]
+    assert not bad, f"layer {layer} (file stores {KV_CASES[case] or 'no scale'}): " + "; ".join(bad)
+
+
+@functools.lru_cache(maxsize=1)
+def _oracle_checkpoint_with_attention_scales() -> Path:
+    import shutil
+    import tempfile
+
+    src = _oracle_checkpoint("tiny-qwen3-moe")
+    root = Path(tempfile.mkdtemp(prefix="moe-attn-scales-", dir=_scratch())) / "ckpt"
+    shutil.copytree(src, root)
+    return ck.write_attention_scales(root, {0: {"q": 0.25, "k": 0.0625, "v": 0.125}, 1: {"k": 0.5}})
+
+
+@check("CKPT-LOAD-004", "A loader loading a 128x128 checkpoint that also stores per-layer k_scale / v_scale / "
+       "q_scale holds every weight exactly as without them (codes x block scales, no attention scale applied to a "
+       "projection or mistaken for a weight scale); it may keep or drop the attention scales themselves.",
+       requires=["checkpoint.load"])
+def test_checkpoint_loader_with_attention_scales_exact(engine):
+    path = _oracle_checkpoint_with_attention_scales()
+    held = engine.checkpoint_load(path)
+    if isinstance(held, dict):
+        config, tensors = ck.read_checkpoint(path)
+        names = {ck.attention_scale_name(i, x) for i in range(int(config["num_hidden_layers"]))
+                 for x in ck.ATTENTION_SCALES}
+        kept = {n: held[n] for n in names if n in held}
+        held = {n: t for n, t in held.items() if n not in names}
+        _strip = Path(_scratch()) / "moe-attn-scales-view"
+        if not _strip.exists():
+            ck.write_tensors(_strip, config, {n: t for n, t in tensors.items() if n not in names},
+                             config["quantization_config"])
+        bad = [f"{n}: {t.reshape(-1)[:1].tolist()} vs {tensors[n].tolist()}" for n, t in kept.items()
+               if t.numel() != 1 or float(t.float().reshape(())) != float(tensors[n])]
+        assert not bad, f"attention scales held but changed: {bad[:4]}"
+        path = _strip
+    _compare_loaded(held, path, "tiny-qwen3-moe with attention scales")
+
+
+@check("CKPT-KV-002", "A loader running an FP8 (e4m3) KV cache on a checkpoint that stores v_scale but no k_scale "
+       "uses that v scale for both keys and values (and, q absent, for the query), or raises an error naming the "
+       "missing k_scale.", requires=["checkpoint.attention_scales"], timeout=600)
+def test_checkpoint_attention_scales_v_only_exact(engine):
+    path = _kv_checkpoint((("v", 1.5),))
+    try:
+        used = engine.checkpoint_attention_scales(path)
+    except EngineError as e:
+        if "k_scale" in str(e):
+            return
+        raise AssertionError(f"v_scale 1.5 without k_scale: the load failed without naming k_scale ({e})") from e
+    want = {"q": 1.5, "k": 1.5, "v": 1.5}
+    got = used.get(0) if isinstance(used, dict) else None
+    assert got == want, f"v_scale 1.5 without k_scale: layer 0 uses {got!r}, expected {want!r}"
+
+
+#: bad attention scales: (which scales of layer 0 the file stores, as written)
+BAD_KV: dict[str, dict[str, object]] = {
+    "k-nan": {"k": math.nan, "v": 0.125},
+    "kv-negative": {"k": -0.5, "v": -0.5},
+    "k-zero": {"k": 0.0, "v": 0.125},
+    "k-vector": {"k": (0.0625, 0.125), "v": 0.125},
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _bad_kv_checkpoint(defect: str) -> Path:
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    src = _kv_checkpoint((("k", 0.0625), ("v", 0.125)))
+    config, tensors = ck.read_checkpoint(src)
+    tensors = dict(tensors)
+    for x, v in BAD_KV[defect].items():
+        tensors[ck.attention_scale_name(0, x)] = torch.tensor(v, dtype=torch.float32)
+    out = Path(tempfile.mkdtemp(prefix=f"bad-kv-{defect}-", dir=_scratch()))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+@pytest.mark.parametrize("defect", list(BAD_KV))
+@check("CKPT-BAD-002", "A loader given a checkpoint whose attention scale is NaN, zero, negative (k and v both) or "
+       "not a single value raises an error instead of running the FP8 KV cache with it or with a default.",
+       requires=["checkpoint.attention_scales"], timeout=600)
+def test_checkpoint_bad_attention_scales_rejected_exact(engine, defect):
+    path = _bad_kv_checkpoint(defect)
+    try:
+        used = engine.checkpoint_attention_scales(path)
+    except EngineError:
+        return
+    got = used.get(0) if isinstance(used, dict) else used
+    raise AssertionError(f"attention scales {BAD_KV[defect]} of layer 0 loaded without an error; layer 0 uses {got!r}")

@@ -41,8 +41,9 @@ from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 
-__all__ = ["CheckpointError", "CheckpointSpec", "dequantize_checkpoint", "dequantize_exact", "fp8_pairs",
-           "quantization_config", "read_checkpoint", "round_exact", "write_checkpoint", "write_tensors"]
+__all__ = ["ATTENTION_SCALES", "CheckpointError", "CheckpointSpec", "attention_scale_name",
+           "attention_scales_in_file", "dequantize_checkpoint", "dequantize_exact", "expected_attention_scales",
+           "fp8_pairs", "quantization_config", "write_attention_scales", "read_checkpoint", "round_exact", "write_checkpoint", "write_tensors"]
 
 #: the checkpoint's ``fmt`` string of each FP8 element format
 CONFIG_FMT = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
@@ -273,3 +274,76 @@ def dequantize_checkpoint(path: str | Path | None = None, *, config: Mapping[str
             continue
         out[name] = dequantize_exact(t, pairs[name][1], block, dtype) if name in pairs else t
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention (KV cache and query) scales stored in a checkpoint
+
+#: the attention scales a checkpoint may store per layer, as ``model.layers.<i>.self_attn.<x>_scale`` (fp32 scalars,
+#: the dequant multiplier of the FP8 key / value cache and of the FP8 query: the names llm-compressor writes and
+#: vLLM's ``maybe_remap_kv_scale_name`` maps to ``self_attn.attn.<x>_scale``, vllm-project/vllm
+#: ``vllm/model_executor/model_loader/weight_utils.py``)
+ATTENTION_SCALES = ("q", "k", "v")
+
+
+def attention_scale_name(layer: int, which: str) -> str:
+    """The checkpoint name of layer ``layer``'s ``which`` (q, k or v) attention scale."""
+    if which not in ATTENTION_SCALES:
+        raise ValueError(f"which: expected one of {ATTENTION_SCALES}, got {which!r}")
+    return f"model.layers.{int(layer)}.self_attn.{which}_scale"
+
+
+def attention_scales_in_file(tensors: Mapping[str, torch.Tensor], num_layers: int) -> dict[int, dict[str, float]]:
+    """Layer → the attention scales the file stores (absent ones left out), validated: each must be a single fp32 /
+    bf16 value, finite and > 0 (:class:`CheckpointError` naming the tensor otherwise)."""
+    out: dict[int, dict[str, float]] = {}
+    for i in range(int(num_layers)):
+        row: dict[str, float] = {}
+        for x in ATTENTION_SCALES:
+            name = attention_scale_name(i, x)
+            t = tensors.get(name)
+            if t is None:
+                continue
+            if t.numel() != 1 or t.dtype not in (torch.float32, torch.bfloat16):
+                raise CheckpointError(f"{name}: {t.dtype} of shape {tuple(t.shape)}, expected one fp32 value "
+                                      "(a per-tensor attention scale)")
+            v = float(t.float().reshape(()))
+            if not math.isfinite(v) or v <= 0:
+                raise CheckpointError(f"{name}: {v!r}, expected a finite attention scale > 0")
+            row[x] = v
+        out[i] = row
+    return out
+
+
+def expected_attention_scales(stored: Mapping[int, Mapping[str, float]]) -> dict[int, dict[str, float]]:
+    """The q/k/v scales a loader running an FP8 KV cache must use, per layer: the file's, and where absent the
+    documented defaults of vLLM's ``BaseKVCacheMethod.process_weights_after_loading`` (vllm-project/vllm
+    ``vllm/model_executor/layers/quantization/kv_cache.py``, 0.32.0, its comments and warnings): k and v both absent
+    → 1.0 each; one of them present → that value for both ("duplicate k_scale to v_scale"); q absent → the k scale
+    ("Checkpoint does not provide a q scaling factor. Setting it to k_scale")."""
+    out: dict[int, dict[str, float]] = {}
+    for i, row in stored.items():
+        k, v = row.get("k"), row.get("v")
+        if k is None and v is None:
+            k = v = 1.0
+        elif k is None or v is None:
+            k = v = float(k if k is not None else v)  # type: ignore[arg-type]
+        out[int(i)] = {"q": float(row.get("q", k)), "k": float(k), "v": float(v)}
+    return out
+
+
+def write_attention_scales(path: str | Path, scales: Mapping[int, Mapping[str, float]]) -> Path:
+    """Add per-layer attention scales (layer → {q|k|v: value}; absent keys are not written) to the checkpoint at
+    ``path`` as fp32 scalars under :func:`attention_scale_name`. Returns the directory."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    _, tensors = read_checkpoint(p)
+    tensors = dict(tensors)
+    for i, row in scales.items():
+        for x, v in row.items():
+            tensors[attention_scale_name(i, x)] = torch.tensor(float(v), dtype=torch.float32)
+    for f in p.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(p / "model.safetensors"), metadata={"format": "pt"})
+    return p

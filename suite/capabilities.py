@@ -94,6 +94,10 @@ def _table() -> dict[str, Capability]:
         Capability("checkpoint.load", "checkpoint", ("checkpoint_load",),
                    "checkpoint_load: the weights a loader holds after loading a blockwise-FP8 checkpoint "
                    "(dequantized, checkpoint names); bad checkpoints raise"),
+        Capability("checkpoint.attention_scales", "checkpoint", ("checkpoint_attention_scales",),
+                   "checkpoint_attention_scales: the q/k/v scales each attention layer uses after loading a checkpoint "
+                   "with an FP8 (e4m3) KV cache (layer index → {'q', 'k', 'v'}: the file's k_scale / v_scale / "
+                   "q_scale or the documented defaults)"),
     ]
     rows += [Capability(f"rollout.{r}", "e2e", _ROLLOUT_OPS, f"rollouts under the {r} numerics recipe")
              for r in ROLLOUT_RECIPES]

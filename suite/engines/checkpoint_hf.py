@@ -26,6 +26,8 @@ from fp8rl.engine import CapabilityMap, Engine, import_failure
 
 _WRITE_REASON = ("transformers quantizes to FP8 only on a GPU (FineGrainedFP8HfQuantizer.validate_environment "
                  "raises 'No GPU or XPU found' for a model that is not pre-quantized): no CPU FP8 checkpoint writer")
+_KV_REASON = ("transformers has no FP8 KV cache: a checkpoint's k_scale / v_scale / q_scale are never used for "
+              "attention (from_pretrained of a checkpoint holding them is judged by CKPT-LOAD-004)")
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -55,7 +57,8 @@ class HfFp8Engine(Engine):
 
     def capabilities(self) -> CapabilityMap:
         reason = self._load_reason()
-        return {"checkpoint.load": True if reason is None else reason, "checkpoint.write": _WRITE_REASON}
+        return {"checkpoint.load": True if reason is None else reason, "checkpoint.write": _WRITE_REASON,
+                "checkpoint.attention_scales": _KV_REASON}
 
     def checkpoint_load(self, path: Any) -> dict[str, torch.Tensor]:
         """The parameters ``transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` holds,

@@ -224,6 +224,14 @@ class ReferenceEngine(Engine):
 
         return ck.dequantize_checkpoint(path)
 
+    def checkpoint_attention_scales(self, path):
+        """The oracle's attention scales: the file's (validated), the documented defaults where absent."""
+        from fp8rl.reference import checkpoint as ck
+
+        config, tensors = ck.read_checkpoint(path)
+        ck.fp8_pairs(config, tensors)
+        return ck.expected_attention_scales(ck.attention_scales_in_file(tensors, config["num_hidden_layers"]))
+
     # -- area microscaling: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling
     def mx_policy(self, recipe: str):
         """The microscaling policy this engine implements for ``recipe`` (the oracle's: OCP floor, compressed-tensors

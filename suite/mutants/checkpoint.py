@@ -247,3 +247,102 @@ class LoaderBlockFromGrid(ReferenceEngine):
                 raise ValueError(f"Weight shape ({n}, {k}) not divisible by scale grid ({gn}, {gk}).")
             out[name] = ck.dequantize_exact(t, s.float(), (n // gn, k // gk), torch.bfloat16)
         return out
+
+
+# -- attention (KV cache / query) scales stored in the checkpoint --------------------------------------------------
+
+def _attention_scales_with(path, rule):
+    """A loader's attention scales: the file's k/v/q per layer (validated), completed by ``rule(row)``."""
+    from fp8rl.reference import checkpoint as ck
+
+    config, tensors = ck.read_checkpoint(path)
+    stored = ck.attention_scales_in_file(tensors, config["num_hidden_layers"])
+    return {i: rule(dict(row)) for i, row in stored.items()}
+
+
+@mutant("ckpt-kv-scales-ignored", "the loader runs the FP8 KV cache with k/v/q scales 1.0 whatever the checkpoint "
+        "stores (the file's *_scale tensors dropped as unexpected keys)", kills=("CKPT-KV-001",))
+class KvScalesIgnored(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        return _attention_scales_with(path, lambda row: {"q": 1.0, "k": 1.0, "v": 1.0})
+
+
+@mutant("ckpt-kv-scales-swapped", "the loader installs k_scale as the value scale and v_scale as the key scale "
+        "(a name mapping that pairs .k_scale with v_proj)", kills=("CKPT-KV-001",))
+class KvScalesSwapped(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        def rule(row):
+            want = ck.expected_attention_scales({0: row})[0]
+            return {"q": want["q"], "k": want["v"], "v": want["k"]}
+        return _attention_scales_with(path, rule)
+
+
+@mutant("ckpt-kv-no-duplicate", "the loader uses 1.0 for whichever of k_scale / v_scale the checkpoint lacks "
+        "instead of the one it has (no duplication of a single KV scale)", kills=("CKPT-KV-001", "CKPT-KV-002"))
+class KvNoDuplicate(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        def rule(row):
+            k, v = row.get("k", 1.0), row.get("v", 1.0)
+            return {"q": row.get("q", k), "k": k, "v": v}
+        return _attention_scales_with(path, rule)
+
+
+@mutant("ckpt-kv-q-default-one", "the loader uses q_scale 1.0 when the checkpoint has none, instead of the k scale "
+        "its documentation promises", kills=("CKPT-KV-001",))
+class KvQDefaultOne(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        def rule(row):
+            return dict(ck.expected_attention_scales({0: row})[0], q=row.get("q", 1.0))
+        return _attention_scales_with(path, rule)
+
+
+@mutant("ckpt-kv-scale-inverse", "the loader reads the stored k/v/q scales as quant multipliers and installs their "
+        "reciprocal", kills=("CKPT-KV-001",))
+class KvScaleInverse(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        def rule(row):
+            return ck.expected_attention_scales({0: {x: 1.0 / s for x, s in row.items()}})[0]
+        return _attention_scales_with(path, rule)
+
+
+@mutant("ckpt-loader-kv-scale-on-proj", "the loader takes a layer's k_scale / v_scale for the weight scale of "
+        "k_proj / v_proj (AutoFP8's self_attn.k_proj.k_scale naming read by suffix) and multiplies the dequantized "
+        "projection by it", kills=("CKPT-LOAD-004",))
+class LoaderKvScaleOnProj(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        config, tensors = ck.read_checkpoint(path)
+        held = _reload_with(path)
+        for i, row in ck.attention_scales_in_file(tensors, config["num_hidden_layers"]).items():
+            for x in ("k", "v"):
+                name = f"model.layers.{i}.self_attn.{x}_proj.weight"
+                if x in row and name in held:
+                    held[name] = (held[name].double() * row[x]).to(held[name].dtype)
+        return held
+
+
+@mutant("ckpt-kv-no-validation", "the loader takes the stored attention scales as they are: a NaN, zero or "
+        "non-scalar scale is installed (its first value), and negative k and v count as absent (1.0, vLLM's -1 "
+        "sentinel)", kills=("CKPT-BAD-002",))
+class KvNoValidation(ReferenceEngine):
+    def checkpoint_attention_scales(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        config, tensors = ck.read_checkpoint(path)
+        out = {}
+        for i in range(int(config["num_hidden_layers"])):
+            row = {}
+            for x in ck.ATTENTION_SCALES:
+                t = tensors.get(ck.attention_scale_name(i, x))
+                if t is not None and not float(t.reshape(-1)[0]) < 0:
+                    row[x] = float(t.reshape(-1)[0])
+            k, v = row.get("k", 1.0), row.get("v", row.get("k", 1.0))
+            out[i] = {"q": row.get("q", k), "k": k, "v": v}
+        return out

@@ -112,3 +112,43 @@ def test_spec_validates_arguments():
         ck.CheckpointSpec(activation_scheme="weird")
     with pytest.raises(ValueError, match="dtype: expected"):
         ck.round_exact(torch.zeros(1, dtype=torch.float64), torch.float16)
+
+
+# -- attention scales stored in a checkpoint ----------------------------------------------------------------------
+
+def test_expected_attention_scales_defaults_exact():
+    stored = {0: {"q": 0.25, "k": 0.0625, "v": 0.125}, 1: {}, 2: {"k": 0.5, "v": 0.375}, 3: {"k": 0.75},
+              4: {"v": 1.5}}
+    assert ck.expected_attention_scales(stored) == {
+        0: {"q": 0.25, "k": 0.0625, "v": 0.125},
+        1: {"q": 1.0, "k": 1.0, "v": 1.0},
+        2: {"q": 0.5, "k": 0.5, "v": 0.375},
+        3: {"q": 0.75, "k": 0.75, "v": 0.75},
+        4: {"q": 1.5, "k": 1.5, "v": 1.5},
+    }
+
+
+def test_attention_scales_round_trip_through_the_file_exact(tmp_path):
+    tm = fixtures.tiny_model("tiny-qwen3")
+    p = ck.write_checkpoint(tmp_path / "c", tm.config, tm.state_dict)
+    ck.write_attention_scales(p, {0: {"k": 0.0625, "q": 3.0}, 1: {"v": 2.0 ** -20}})
+    config, tensors = ck.read_checkpoint(p)
+    assert ck.attention_scales_in_file(tensors, 2) == {0: {"q": 3.0, "k": 0.0625}, 1: {"v": 2.0 ** -20}}
+    assert tensors["model.layers.0.self_attn.k_scale"].dtype == torch.float32
+    assert tensors["model.layers.0.self_attn.k_scale"].shape == ()
+    assert len(list(p.glob("*.safetensors"))) == 1
+    ck.fp8_pairs(config, tensors)  # the weights are untouched and still valid
+
+
+@pytest.mark.parametrize("value, shape, match", [(math.nan, (), "finite"), (0.0, (), "> 0"), (-1.0, (), "> 0"),
+                                                 (math.inf, (), "finite"), (0.5, (2,), "one fp32 value")])
+def test_bad_attention_scale_names_the_tensor(value, shape, match):
+    t = torch.full(shape, value, dtype=torch.float32)
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        ck.attention_scales_in_file({"model.layers.1.self_attn.v_scale": t}, 2)
+    assert "model.layers.1.self_attn.v_scale" in str(e.value)
+
+
+def test_attention_scale_name_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="which"):
+        ck.attention_scale_name(0, "p")

