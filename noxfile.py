@@ -248,7 +248,8 @@ def nightly(session: nox.Session) -> None:
     run_or_note("parity run", "fp8rl", "parity", "--engine", "reference", "--recipe", "fp8-all", "--correction", "tis",
                 "--out", "fp8rl-nightly/parity", success_codes=[0, 1])
     # vLLM on CPU measured vs the perf model (perf/cpu_bench.py: probe, 3 workloads x bf16/fp8-kv/fp8-linear-ptpc,
-    # perf gate; ~10 min on 2 loaded cores), in the vLLM tier's venv (nox -s conformance_vllm --install-only)
+    # perf gate; 13 min measured on the shared 2-core machine at load 5-6), in the vLLM tier's venv
+    # (nox -s conformance_vllm --install-only)
     vllm_py = ROOT / ".nox" / "conformance_vllm" / "bin" / "python"
     if vllm_py.exists():
         run_or_note("vllm perf gate", str(vllm_py), "-m", "fp8rl.perf.cpu_bench", "--out", "fp8rl-nightly/perf-vllm",
