@@ -224,7 +224,9 @@ def nightly(session: nox.Session) -> None:
     seeds table per engine in fp8rl-nightly/<engine>/sweep.md); fails if any cell of a correct engine fails.
 
     Then, whatever the sweep found: the engines' first-seed reports merged into one engine × check matrix
-    (fp8rl-nightly/merge/merge.html); with FP8RL_NIGHTLY_BASELINE=<an earlier fp8rl-nightly folder>, ``fp8rl report
+    (fp8rl-nightly/merge/merge.html), after vLLM on CPU measured vs the perf model and gated (perf/cpu_bench.py, in
+    the vLLM tier's venv, fp8rl-nightly/perf-vllm; a gate failure fails the session); with
+    FP8RL_NIGHTLY_BASELINE=<an earlier fp8rl-nightly folder>, ``fp8rl report
     diff`` of each engine against it (a regression fails the session); asv over every benchmark of perf/benchmarks
     (the oracle's, the model's, and the conformance counts and wall time per engine read from this night's reports)
     on the machine named by FP8RL_ASV_MACHINE (default: this host's asv machine), and the dashboard published to
