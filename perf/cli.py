@@ -397,7 +397,8 @@ def register(subparsers) -> None:
     m = sub.add_parser("model", help="analytic roofline + KV-capacity model for an HF config on a GPU")
     m.add_argument("--model", required=True,
                    help="known name (Qwen3-8B, Qwen3-30B-A3B, tiny-qwen3, ...), a config.json or a model dir")
-    m.add_argument("--hardware", default="H100-SXM-80GB", help="entry of hardware.json (default H100-SXM-80GB)")
+    m.add_argument("--hardware", default="H100-SXM-80GB",
+                   help="entry of hardware.json or a probed file FILE[#ENTRY] (default H100-SXM-80GB)")
     m.add_argument("--configs", default="bf16,fp8-linear,fp8-kv,fp8-all")
     m.add_argument("--workload", default=None, help="PROMPT:GEN[:MAX_NUM_SEQS], e.g. 2048:20480:256")
     m.add_argument("--prompt-len", type=int, default=1024)
@@ -428,7 +429,9 @@ def register(subparsers) -> None:
     r.add_argument("--sample", action="store_true", help="seeded sampling instead of greedy decoding")
     r.add_argument("--vocab-size", type=int, default=None, help="prompt id range (default: from config.json)")
     r.add_argument("--model-name", default=None, help="name the gate matches claims on (default: from the model)")
-    r.add_argument("--hardware", default=None, help="hardware.json entry or 'cpu' (default: detected)")
+    r.add_argument("--hardware", default=None,
+                   help="hardware.json entry, a probed file (fp8rl perf hardware --probe --out FILE) or 'cpu' "
+                        "(default: detected)")
     r.add_argument("--out", default="perf-result.json")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print the result JSON")
