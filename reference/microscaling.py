@@ -34,8 +34,9 @@ e5m2, 2 for e2m1; T its max normal, 448, 57344, 6):
 e is clamped to [−127, 127] (E8M0 codes 0..254); an all-zero block gets e = −127 (code 0) under every rule.
 Elements: q = fl(x / 2^e) (fp32 division by a power of two), then the RNE cast with saturation.
 
-**NVFP4** (two-level scaling): a per-tensor fp32 global encode scale g = fl(fl(448·6)/amax_t) (1 when amax_t = 0 or
-g is not finite), a per-16-element E4M3 block scale s = e4m3(min(fl(g·r6), 448)) with r6 = fl(amax_b/6)
+**NVFP4** (two-level scaling): a per-tensor fp32 global encode scale g = fl(2688/amax_t) (``global_op="div"``) or
+fl(fl(1/amax_t)·2688) (``"recip_mul"``: torch's ``python_float / tensor``, which is ``tensor.reciprocal() * float``;
+compressed-tensors ``generate_gparam``), 2688 = 448·6, and 1 when amax_t = 0 or g is not finite; a per-16-element E4M3 block scale s = e4m3(min(fl(g·r6), 448)) with r6 = fl(amax_b/6)
 (``scale_op="div6"``) or fl(amax_b·fl(1/6)) (``"mul_recip6"``), and E2M1 elements q = RNE(clamp(y, −6, 6)) with
 y = fl(x / fl(s/g)) (``quant_op="div_decoded"``), fl(x·fl(1/fl(s·fl(1/g)))) (``"recip_decoded"``). A block whose
 scale rounds to 0 gets zero element codes with x's sign (−0 for negative x: what compressed-tensors, whose scale
@@ -155,6 +156,7 @@ class MXPolicy:
     ratio_op: Literal["div", "mul_recip"] = "div"
     scale_op: Literal["div6", "mul_recip6"] = "div6"
     quant_op: Literal["div_decoded", "recip_decoded"] = "div_decoded"
+    global_op: Literal["div", "recip_mul"] = "div"
     provenance: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +173,8 @@ class MXPolicy:
             raise ValueError(f"ratio_op: expected 'div' or 'mul_recip', got {self.ratio_op!r}")
         if self.scale_op not in ("div6", "mul_recip6"):
             raise ValueError(f"scale_op: expected 'div6' or 'mul_recip6', got {self.scale_op!r}")
+        if self.global_op not in ("div", "recip_mul"):
+            raise ValueError(f"global_op: expected 'div' or 'recip_mul', got {self.global_op!r}")
         if self.quant_op not in ("div_decoded", "recip_decoded"):
             raise ValueError(f"quant_op: expected 'div_decoded' or 'recip_decoded', got {self.quant_op!r}")
         if self.scale_fmt == "e4m3fn" and self.elem != "e2m1":
@@ -211,12 +215,16 @@ MX_PRESETS: dict[str, MXPolicy] = {p.name: p for p in (
              provenance="neuralmagic/compressed-tensors quantization/utils/mxfp_utils.py (v0.17.0, scheme MXFP4): "
              "as ct_mxfp8 with offset 2. Run on CPU (engine compressed-tensors-mx)."),
     MXPolicy("ct_nvfp4", "e2m1", 16, scale_fmt="e4m3fn", scale_op="div6", quant_op="div_decoded",
+             global_op="recip_mul",
              provenance="neuralmagic/compressed-tensors quantization/utils/helpers.py calculate_qparams + "
-             "generate_gparam, quantization/lifecycle/forward.py _quantize (v0.17.0): g = 448·6/amax_t, "
-             "s = e4m3(g · amax_b/6), x / (s/g). Read."),
+             "generate_gparam, quantization/lifecycle/forward_helpers.py _quantize (v0.17.0): g = 448·6/amax_t "
+             "(a Python float over a tensor: fl(fl(1/amax_t)·2688)), s = e4m3(g · amax_b/6), x / (s/g). Run on CPU "
+             "(engine compressed-tensors-mx)."),
     MXPolicy("vllm_nvfp4_ref", "e2m1", 16, scale_fmt="e4m3fn", scale_op="mul_recip6", quant_op="recip_decoded",
+             global_op="recip_mul",
              provenance="vllm-project/vllm vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py "
-             "ref_nvfp4_quant (v0.32.0): s = e4m3(clamp(g · (amax_b · (1/6)))), x · 1/(s · 1/g). Read."),
+             "ref_nvfp4_quant (v0.32.0): s = e4m3(clamp(g · (amax_b · (1/6)))), x · 1/(s · 1/g); g is an input (a "
+             "checkpoint's, written by compressed-tensors: recip_mul). Run on CPU (engine vllm-mx)."),
 )}
 #: the four recipes the checks exercise → the oracle's (reference engine's) policy
 RECIPES: dict[str, str] = {"mxfp8_e4m3": "ocp_mxfp8_e4m3", "mxfp8_e5m2": "ocp_mxfp8_e5m2", "mxfp4": "ocp_mxfp4",
@@ -292,11 +300,18 @@ def e8m0_exponent(amax: torch.Tensor, policy: MXPolicy) -> torch.Tensor:
     return torch.from_numpy(np.clip(e, -127, 127).astype(np.int64))
 
 
-def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """g = fl(fl(448·6) / amax_t) as a 0-d fp32 tensor (the encode-direction global scale); 1 when amax_t = 0 or g
-    is not finite (compressed-tensors ``generate_gparam``'s fallback)."""
+def nvfp4_global_scale(x: torch.Tensor, op: str = "div") -> torch.Tensor:
+    """g = fl(2688 / amax_t) (``op="div"``) or fl(fl(1/amax_t)·2688) (``"recip_mul"``) as a 0-d fp32 tensor (the
+    encode-direction global scale); 1 when amax_t = 0 or g is not finite (compressed-tensors ``generate_gparam``'s
+    fallback)."""
     amax = x.detach().to(torch.float32).abs().amax()
-    g = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32) / amax
+    t = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32)
+    if op == "div":
+        g = t / amax
+    elif op == "recip_mul":
+        g = (1.0 / amax) * t
+    else:
+        raise ValueError(f"op: expected 'div' or 'recip_mul', got {op!r}")
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
 
 
@@ -352,7 +367,7 @@ def mx_quantize(x: torch.Tensor, policy: str | MXPolicy) -> MXTensor:
     amax = xb.abs().amax(dim=-1)
     g = None
     if p.two_level:
-        g = nvfp4_global_scale(xf)
+        g = nvfp4_global_scale(xf, p.global_op)
         r6 = amax / E2M1_MAX if p.scale_op == "div6" else amax * torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
         s_raw = torch.clamp(g * r6, max=E4M3_MAX)
         s_codes = torch.from_numpy(encode_codes(s_raw, "e4m3fn", "saturate")).reshape(amax.shape)

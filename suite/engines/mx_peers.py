@@ -12,7 +12,7 @@
   returns FP4 *values*, which the adapter turns into codes and packs low nibble first — the layout vLLM's
   ``break_fp4_bytes`` reads (the adapter checks its own bytes with it). The NVFP4 global scale is an input in
   vLLM (a checkpoint's ``input_global_scale``/``weight_global_scale``, which compressed-tensors writes as 448·6/amax):
-  the adapter passes that formula's fp32 value.
+  the adapter passes that formula's fp32 value, computed as compressed-tensors does (fl(fl(1/amax)·2688)).
 
 Not on CPU at all (docs/microscaling.md): TransformerEngine's MXFP8/NVFP4 quantizers are CUDA kernels
 (``transformer_engine`` needs CUDA to import); torchao's MX/NVFP4 tensors are not installed in any tier.
@@ -175,7 +175,7 @@ class VllmMXEngine(Engine):
         if recipe == "mxfp8_e4m3":
             q, s = self._v["mx8"].mxfp8_e4m3_quantize(xf)
             return mx.MXTensor(q.view(torch.uint8).contiguous(), s.contiguous(), None, tuple(x.shape), p)
-        g = mx.nvfp4_global_scale(xf)  # compressed-tensors' 448·6/amax, what a vLLM checkpoint carries
+        g = mx.nvfp4_global_scale(xf, p.global_op)  # compressed-tensors' 448·6/amax: what a vLLM checkpoint carries
         vals, scale = self._v["nv"].ref_nvfp4_quant(xf, g.reshape(1), 16)
         codes = _codes_from_fp4_values(vals)
         data = mx.pack_fp4(codes)

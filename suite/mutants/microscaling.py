@@ -95,7 +95,7 @@ class Block32For16(ReferenceEngine):
         n16 = marker.shape[-2]
         marker[..., 0] = torch.where(marker[..., 0] < 0, -1.0, 1.0) * amax32[..., :n16]
         scales = mx.mx_quantize(marker.reshape(*x.shape[:-1], -1)[..., :k], p)
-        g = mx.nvfp4_global_scale(x)
+        g = mx.nvfp4_global_scale(x, p.global_op)
         s = torch.from_numpy(decode_codes(scales.scales.numpy(), "e4m3fn").astype(np.float32)).reshape(
             scales.scales.shape)
         y = x16 / (s / g).unsqueeze(-1)

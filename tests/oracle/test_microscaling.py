@@ -187,3 +187,16 @@ def test_nvfp4_zero_scale_block_keeps_signed_zeros_exact():
     q = M.mx_quantize(x, "nvfp4")
     assert q.scales.tolist() == [[0x7E, 0x00]]  # 448 = e4m3 0x7E
     assert q.codes()[0, 16:].tolist() == [0, 8] * 8
+
+
+def test_nvfp4_global_op_hand_exact():
+    # amax = 912.84283 (fp32): fl(2688/amax) = 2.944647 but fl(fl(1/amax)·2688) = 2.9446468 — one fp32 ulp apart
+    # (numpy fp32, computed here independently); 27.9 % of uniform amaxes in [1, 1000) differ so
+    amax = np.float32(912.84283)
+    div = np.float32(2688) / amax
+    rm = (np.float32(1) / amax) * np.float32(2688)
+    assert div != rm
+    x = torch.tensor([[float(amax)] + [0.0] * 15])
+    assert float(M.nvfp4_global_scale(x, "div")) == float(div)
+    assert float(M.nvfp4_global_scale(x, "recip_mul")) == float(rm)
+    assert float(M.mx_quantize(x, "ct_nvfp4").global_scale) == float(rm)

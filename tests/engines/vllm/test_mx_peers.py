@@ -82,3 +82,15 @@ def test_vllm_nvfp4_zero_scale_block_signed_zeros_exact():
     x = torch.tensor([[6.0] * 16 + [1e-9, -1e-9] * 8])
     q = P.VllmMXEngine().mx_quantize(x, "nvfp4")
     assert q.scales.tolist() == [[0x7E, 0x00]] and q.codes()[0, 16:].tolist() == [0, 8] * 8
+
+
+@CT
+def test_ct_nvfp4_global_scale_is_reciprocal_times_2688_exact():
+    """compressed-tensors' generate_gparam evaluates 448·6 / amax as a Python float over a tensor: torch computes
+    fl(fl(1/amax)·2688), one ulp from fl(2688/amax) at amax = 912.84283 (preset ct_nvfp4, global_op recip_mul)."""
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    amax = torch.tensor(912.84283, dtype=torch.float32)
+    g = generate_gparam(-amax.reshape(1), amax.reshape(1)).reshape(())
+    assert float(g) == float((1.0 / amax) * 2688.0)
+    assert float(g) != float(torch.tensor(2688.0) / amax)
