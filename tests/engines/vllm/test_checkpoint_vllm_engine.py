@@ -26,7 +26,7 @@ def test_xfails_name_the_kv_findings():
     import fp8rl.conformance.test_checkpoint  # noqa: F401  (registers the CKPT-* checks)
 
     ids = {entry[0] for entry in parse_id_file(XFAILS)}
-    assert {"CKPT-KV-001[kv-no-q]", "CKPT-KV-001[k-only]", "CKPT-KV-002"} <= ids
+    assert {"CKPT-KV-001[kv-no-q]", "CKPT-KV-001[k-only]", "CKPT-KV-002", "CKPT-BAD-002[kv-negative]"} <= ids
 
 
 @needs_vllm
@@ -60,3 +60,15 @@ def test_finding_v_scale_without_k_scale_fails_with_a_bare_assert():
 
     with pytest.raises(RuntimeError, match="Engine core initialization failed"):
         V.VllmEngine().checkpoint_attention_scales(_kv_checkpoint((("v", 1.5),)))
+
+
+@needs_vllm
+@PIN
+def test_finding_negative_kv_scales_read_as_absent_exact():
+    """k_scale = v_scale = -0.5 in the file: vLLM's 'not loaded' sentinel is -1.0 and any negative pair counts as
+    absent, so the layer silently runs with 1.0."""
+    from fp8rl.conformance.test_checkpoint import _bad_kv_checkpoint
+
+    used = V.VllmEngine().checkpoint_attention_scales(_bad_kv_checkpoint("kv-negative"))
+    assert used[0] == {"q": 1.0, "k": 1.0, "v": 1.0}
+    assert used[1] == {"q": 1.0, "k": 0.0625, "v": 0.125}  # q absent: 1.0 (CKPT-KV-001 finding)
