@@ -149,7 +149,9 @@ def install_latest(session: nox.Session, tier: Tier) -> None:
         session.run("python", "-m", "pip", "uninstall", "-y", *tier.omit)
 
 
+#: a tier's parts: its conformance runs (all; or its first run alone, or the others) and its pytest files
 TIER_PARTS = ("conformance", "pytest")
+SUB_PARTS = {"conformance-first": slice(0, 1), "conformance-rest": slice(1, None)}
 
 
 def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", junit_dir: Path | None = None,
@@ -167,7 +169,10 @@ def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", ju
                 raise
             failed.append(" ".join(args))
 
-    for conf in tier.conformance if "conformance" in parts else ():
+    confs = list(tier.conformance) if "conformance" in parts else []
+    for sub, sl in SUB_PARTS.items():
+        confs += list(tier.conformance[sl]) if sub in parts else []
+    for conf in confs:
         run("fp8rl", *conf.args(out_root))
     for i, args in enumerate(tier.pytest if "pytest" in parts else ()):
         junit = [f"--junitxml={junit_dir / f'pytest-{i}.xml'}"] if junit_dir is not None else []
@@ -179,11 +184,12 @@ def _tier_session(tier_name: str):
     tier = TIERS[tier_name]
 
     def session_fn(session: nox.Session) -> None:
-        # posargs: a part to run alone (`-- conformance` or `-- pytest`; default both): .ci/run runs a tier's two
-        # parts as two jobs, so that two CPU slots share the long tiers
+        # posargs: the parts to run (`-- conformance`, `-- pytest`, `-- conformance-first`, `-- conformance-rest`;
+        # default: conformance and pytest): .ci/run runs a tier's parts as separate jobs, so that its CPU slots share
+        # the long tiers
         parts = tuple(session.posargs) or TIER_PARTS
-        if not set(parts) <= set(TIER_PARTS):
-            session.error(f"posargs: expected parts among {TIER_PARTS}, got {parts}")
+        if not set(parts) <= {*TIER_PARTS, *SUB_PARTS}:
+            session.error(f"posargs: expected parts among {(*TIER_PARTS, *SUB_PARTS)}, got {parts}")
         install_locked(session, tier)
         run_tier(session, tier, parts=parts)
 
