@@ -7,6 +7,7 @@ checked.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ class FakeRolloutEngine(Engine):
     name = "fake-rollout"
 
     def __init__(self, short_config: str | None = None, unsupported: dict | None = None,
-                 with_stats: bool = True, as_tuple: bool = False) -> None:
+                 with_stats: bool = True, as_tuple: bool = False, step_sleep_s: float = 0.0) -> None:
         self.calls: list[tuple] = []
+        self.step_sleep_s = step_sleep_s  # a fixed cost per rollout, so wall-clock ratios aren't scheduling jitter
         self.short_config = short_config
         self.unsupported = unsupported or {}
         self.with_stats = with_stats
@@ -47,6 +49,8 @@ class FakeRolloutEngine(Engine):
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
         cfg = handle["recipe"]
         self.calls.append((cfg, max_new_tokens, tuple(map(tuple, prompts.tolist()))))
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
         n = max_new_tokens - 3 if cfg == self.short_config else max_new_tokens
         toks = torch.cat([prompts, torch.full((prompts.shape[0], n), 7, dtype=torch.int64)], 1)
         lp = torch.zeros(prompts.shape[0], n)
@@ -66,7 +70,9 @@ class NoRolloutEngine(Engine):
 
 
 def make_fake():
-    return FakeRolloutEngine()
+    # 20 ms per rollout: the CLI test gates a run against itself, and a microsecond fake's wall-clock samples can
+    # differ 20-fold on a loaded machine (CI: it failed at a 95% regression floor while other jobs shared the cores)
+    return FakeRolloutEngine(step_sleep_s=0.02)
 
 
 def make_eos_fake():
