@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -64,11 +65,11 @@ class VllmLLMMixin:
 
         from vllm import LLM
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
         llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-                  skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=4, kv_cache_dtype="fp8")
+                  skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=4, kv_cache_dtype="fp8",
+                  kv_cache_memory_bytes=kv_cache_bytes())
         try:
             used = llm.collective_rpc(_attention_scales)[0]
         finally:
@@ -102,13 +103,15 @@ class VllmLLMMixin:
                        "argument(s) but received 4'); 'Engine core initialization failed'")
 
     def _llm(self, config: dict, state_dict: Any, recipe: str, extra: dict | None = None):
+        """The running LLM entry of (config, recipe kwargs) holding ``state_dict``: started on first use (at most
+        :func:`max_live_llms` run per process: starting one beyond that stops the least recently used, which starts
+        again, with the weights it last held, when a handle uses it), reloaded in place when it holds other
+        weights."""
         import json
         import os
-        import tempfile
 
         from fp8rl.fixtures import digest_state_dict
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         kwargs = dict(self.RECIPE_KWARGS[recipe], **(extra or {}))
@@ -126,28 +129,17 @@ class VllmLLMMixin:
             if entry is None:  # that start failed: start (and raise) here
                 return self._llm(config, state_dict, recipe, extra)
         if owner:
-            from fp8rl.reference.weight_sync import write_hf_checkpoint
-            from vllm import LLM
-
             try:
-                d = tempfile.mkdtemp(prefix="fp8rl-vllm-")
-                write_hf_checkpoint(d, config, state_dict, fp8=False)
-                with _LLM_LOCK:
-                    if not _ATEXIT:
-                        import atexit
-
-                        atexit.register(_shutdown_all)
-                        _ATEXIT.append(True)
-                llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-                          skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16,
-                          max_logprobs=-1, **kwargs)
-                with _LLM_LOCK:
-                    entry = _LLMS[key] = [llm, digest, d]
+                entry = [None, digest, "", (key, dict(config), state_dict, kwargs)]
+                _start_into(entry)
             finally:
                 with _LLM_LOCK:
                     _STARTING.pop(key).set()  # type: ignore[union-attr]
         else:
             assert entry is not None  # not the starter: the LLM was running, or the start waited for succeeded
+            if entry[0] is None:  # stopped to make room: start it again with these weights
+                _loaded(entry, state_dict, digest)
+            live_llm(entry)
             if entry[1] != digest:
                 if int(config.get("num_experts") or 0) > 0 or config.get("tie_word_embeddings"):
                     # vLLM's CPU in-place reload leaves MoE experts and a tied LM head's packed copy stale (the
@@ -161,7 +153,7 @@ class VllmLLMMixin:
                     _stop_llm(stale)
                     return self._llm(config, state_dict, recipe, extra)
                 self._reload(entry[0], config, state_dict)
-                entry[1] = digest
+                _loaded(entry, state_dict, digest)
         return entry
 
     @staticmethod
@@ -199,7 +191,9 @@ class VllmLLMMixin:
             with contextlib.suppress(Exception):
                 self._llm(*args)
 
-        threads = [threading.Thread(target=start, args=(a,), daemon=True) for a in todo.values()]
+        # no more at once than may run (the others start when a check needs them)
+        room = max(0, max_live_llms() - sum(e[0] is not None for e in list(_LLMS.values())))
+        threads = [threading.Thread(target=start, args=(a,), daemon=True) for a in list(todo.values())[:room]]
         for t in threads:
             t.start()
         for t in threads:
@@ -221,15 +215,15 @@ class VllmLLMMixin:
         from fp8rl.fixtures import digest_state_dict
 
         entry = handle["entry"]
-        self._reload(entry[0], handle["config"], state_dict)
-        entry[1] = digest_state_dict(dict(state_dict))
+        self._reload(live_llm(entry), handle["config"], state_dict)
+        _loaded(entry, state_dict, digest_state_dict(dict(state_dict)))
         return handle
 
     def _generate(self, handle, prompts, max_new_tokens: int, greedy: bool, seed: int, logprobs: int):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = handle["entry"][0]
+        llm = live_llm(handle["entry"])
         n = int(max_new_tokens)
         # ignore_eos + max_tokens gives exactly n tokens. No min_tokens: vLLM's min-tokens logits processor would ban
         # the stop tokens (EOS = token 0 in the fixtures) from the sampling distribution while the raw log-probs
@@ -278,11 +272,120 @@ class VllmLLMMixin:
         return tokens, torch.tensor(lps, dtype=torch.float32), logits
 
 
-#: (config json, recipe) → [LLM, digest of the loaded weights, checkpoint dir]
-_LLMS: dict = {}
+#: (config json, recipe kwargs json) → entry [LLM (None while stopped to make room), digest of the weights it holds,
+#: checkpoint dir, (key, config, state_dict it holds, LLM kwargs)], least recently used first
+_LLMS: OrderedDict = OrderedDict()
 _LLM_LOCK = threading.Lock()
 _STARTING: dict = {}  # key → Event set when the LLM start in progress ends
 _ATEXIT: list = []
+
+
+#: each vllm.LLM on CPU is two processes (engine core ~0.7 GB, worker ~0.8 GB plus its KV cache, measured with vLLM
+#: 0.32 on the tiny fixtures); ten of them (the e2e and learning areas' configurations) once filled a 24 GiB CI machine
+#: and the kernel killed an engine core mid-check ('EngineDeadError'). The e2e area's checks each walk its 7
+#: configurations in turn: a cap below that restarts an LLM at every step (LRU's worst case, measured: 6 doubled the
+#: area's time), so the cap holds them all.
+DEFAULT_MAX_LIVE_LLMS = 8
+#: KV cache per LLM: 16 sequences of max_model_len 256 need 4096 tokens; the largest model the suite or its perf
+#: workloads start (perf/cpu_bench.py LARGE_CONFIG, 16 layers x 8 KV heads x head_dim 64, BF16) needs 32 KiB per
+#: token, 128 MiB in all. vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) would reserve 1 GiB per LLM.
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+def max_live_llms() -> int:
+    """How many ``vllm.LLM`` may run at once in this process (``FP8RL_VLLM_MAX_LLMS``, default
+    :data:`DEFAULT_MAX_LIVE_LLMS`)."""
+    import os
+
+    raw = os.environ.get("FP8RL_VLLM_MAX_LLMS", "")
+    try:
+        n = int(raw) if raw else DEFAULT_MAX_LIVE_LLMS
+    except ValueError:
+        raise ValueError(f"FP8RL_VLLM_MAX_LLMS: expected a positive integer, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"FP8RL_VLLM_MAX_LLMS: expected a positive integer, got {raw!r}")
+    return n
+
+
+def kv_cache_bytes() -> int | None:
+    """``kv_cache_memory_bytes`` of every LLM the adapter starts: :data:`DEFAULT_KV_CACHE_BYTES`, or None (vLLM's
+    own sizing) when the user set ``VLLM_CPU_KVCACHE_SPACE``, which vLLM's CPU platform applies instead."""
+    import os
+
+    return None if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else DEFAULT_KV_CACHE_BYTES
+
+
+def _loaded(entry: list, state_dict: Any, digest: str) -> None:
+    """Record that ``entry``'s LLM now holds ``state_dict`` (a restart after eviction loads it again)."""
+    key, config, _, kwargs = entry[3]
+    entry[1], entry[3] = digest, (key, config, state_dict, kwargs)
+
+
+def _make_room() -> None:
+    """Stop the least recently used running LLMs until one more may start (the caller's start is registered in
+    ``_STARTING``); a stopped entry keeps its key, weights and kwargs and starts again when used."""
+    stopped = []
+    with _LLM_LOCK:
+        live = [e for e in _LLMS.values() if e[0] is not None]
+        while live and len(live) + len(_STARTING) > max_live_llms():
+            victim = live.pop(0)
+            stopped.append([victim[0], None, victim[2]])  # stopped below, outside the lock
+            victim[0], victim[2] = None, ""
+    for s in stopped:
+        _stop_llm(s)
+
+
+def _start_into(entry: list) -> None:
+    """Start the LLM of ``entry`` (its key, config, weights and kwargs are ``entry[3]``) and register it as the most
+    recently used."""
+    import tempfile
+
+    from fp8rl.reference.weight_sync import write_hf_checkpoint
+    from vllm import LLM
+
+    key, config, state_dict, kwargs = entry[3]
+    _make_room()
+    d = tempfile.mkdtemp(prefix="fp8rl-vllm-")
+    write_hf_checkpoint(d, config, state_dict, fp8=False)
+    with _LLM_LOCK:
+        if not _ATEXIT:
+            import atexit
+
+            atexit.register(_shutdown_all)
+            _ATEXIT.append(True)
+    llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+              skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16,
+              max_logprobs=-1, kv_cache_memory_bytes=kv_cache_bytes(), **kwargs)
+    with _LLM_LOCK:
+        entry[0], entry[2] = llm, d
+        _LLMS[key] = entry
+        _LLMS.move_to_end(key)
+
+
+def live_llm(entry: list) -> Any:
+    """The running ``vllm.LLM`` of a handle's entry, started again (with the weights it last held) if it was stopped
+    to make room; marks it the most recently used."""
+    key = entry[3][0]
+    if entry[0] is None:
+        with _LLM_LOCK:
+            pending = _STARTING.get(key)
+            if pending is None:
+                pending = _STARTING[key] = threading.Event()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            pending.wait()
+            return live_llm(entry)
+        try:
+            _start_into(entry)
+        finally:
+            with _LLM_LOCK:
+                _STARTING.pop(key).set()
+    with _LLM_LOCK:
+        if _LLMS.get(key) is entry:
+            _LLMS.move_to_end(key)
+    return entry[0]
 
 
 def _stop_llm(entry: list) -> None:
@@ -332,4 +435,4 @@ def kv_scales_in_use(handle: Any) -> dict[str, tuple[float, float]]:
                 out[name] = (float(mod._k_scale_float), float(mod._v_scale_float))
         return out
 
-    return handle["entry"][0].collective_rpc(_scales)[0]
+    return live_llm(handle["entry"]).collective_rpc(_scales)[0]
