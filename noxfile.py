@@ -167,7 +167,7 @@ def run_tier(session: nox.Session, tier: Tier, *, out_root: Path | str = ".", ju
     """Run a tier's conformance runs and pytest invocations (``parts``: either or both); returns the commands that
     failed (raises on the first failure unless ``keep_going``)."""
     failed = []
-    env = {**tier.env, **({"PYTHONDONTWRITEBYTECODE": "1"})}
+    env = dict(tier.env)
 
     def run(*args: str) -> None:
         try:

@@ -20,12 +20,17 @@ from typing import Any
 
 from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
+#: :class:`fp8rl.reference.drift.DriftConfig`'s defaults, restated here so that building the CLI's parser does not
+#: import torch (every ``fp8rl`` command builds it; tests/oracle/test_kv_drift.py checks they are DriftConfig's)
+DRIFT_DEFAULTS: dict[str, Any] = {"steps": 24, "every_n": 5, "fmt": "e4m3fn", "layout": "tensor", "growth": 0.07,
+                                  "grow_steps": 16, "shrink": 0.04, "seed": 0}
+
 
 def register(subparsers: Any) -> None:
     """Add the ``kv-drift`` subcommand (called by fp8rl.cli for every module in EXTRA_COMMAND_MODULES)."""
-    from fp8rl.reference.drift import DriftConfig
+    from types import SimpleNamespace
 
-    d = DriftConfig()
+    d = SimpleNamespace(**DRIFT_DEFAULTS)
     p = subparsers.add_parser("kv-drift", help="KV-scale drift simulator: never vs every-step vs every-N "
                                                "recalibration of FP8 Q/K/V scales over RL-like steps")
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps (default {d.steps})")

@@ -31,10 +31,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+
+if TYPE_CHECKING:
+    import torch
 
 #: correction names of the command → the learning oracle's corrections
 CORRECTIONS = {"none": "none", "tis": "token-tis", "seq-tis": "seq-tis", "is": "is", "icepop": "icepop",
@@ -73,6 +75,7 @@ class ParityConfig:
 
 
 def _trainer(cfg: dict, sd: dict):
+    import torch
     from fp8rl.reference.rollout_hf import build_hf_model, to_model_state_dict
 
     model = build_hf_model(cfg, dtype=torch.float32, attn_implementation="eager")
@@ -84,12 +87,15 @@ def _trainer(cfg: dict, sd: dict):
 
 
 def _bf16_state(model) -> dict[str, torch.Tensor]:
+    import torch
+
     return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items() if "rotary" not in k}
 
 
 def run_one(engine, task, cfg: dict, sd: dict, recipe: str, correction: str, seed: int, pc: ParityConfig,
             ref_grads: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """One GRPO run: per-step metrics and the step gradients (flattened)."""
+    import torch
     from fp8rl.reference import correction as C
     from fp8rl.reference.learning import correction_config
 
@@ -140,6 +146,8 @@ def run_one(engine, task, cfg: dict, sd: dict, recipe: str, correction: str, see
 
 def paired_bootstrap(diffs: list[float], boot: int, seed: int = 0) -> tuple[float, float, float]:
     """(mean, 2.5%, 97.5%) of the mean of paired differences, resampling seeds with replacement."""
+    import torch
+
     d = torch.tensor(diffs, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, d.numel(), (boot, d.numel()), generator=gen)

@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 from fp8rl.exitcodes import EXIT_OK, EXIT_USAGE
-from fp8rl.reference.presets import PRESETS, PROVENANCE, VERIFICATION, formula, get_policy, preset_record
 
 QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
 
@@ -21,6 +20,8 @@ def declared_presets(engine: Any) -> dict[str, dict[str, Any]]:
     """granularity kind → the preset the engine declares for it (name, formula, provenance, verification status),
     for every ``quantize.<kind>`` the engine supports. A policy that is not a preset (or differs from the preset of
     its name) has provenance None and says so."""
+    from fp8rl.reference.presets import PRESETS, PROVENANCE, VERIFICATION, formula
+
     caps = engine.capabilities()
     out: dict[str, dict[str, Any]] = {}
     for kind in QUANT_KINDS:
@@ -44,6 +45,7 @@ def declared_presets(engine: Any) -> dict[str, dict[str, Any]]:
 
 def cmd_presets(args: argparse.Namespace) -> int:
     from fp8rl.cli import _console
+    from fp8rl.reference.presets import PRESETS, get_policy, preset_record
     from rich.markup import escape
     from rich.table import Table
 

@@ -179,6 +179,16 @@ def write_results(reports: list[dict], out_dir: Path) -> list[Path]:
 MAX_WORKER_RESTARTS = 1000
 
 
+def conformance_package_dir() -> Path:
+    """The directory of the ``fp8rl.conformance`` package (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fp8rl.conformance")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("fp8rl.conformance is not importable: is fp8rl installed?")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def pytest_args(engines: list[str], *, profile: str, out_dir: Path, seed: int = 0, xfails: str | None = None,
                 skips: str | None = None, areas: list[str] | None = None, keyword: str | None = None,
                 workers: int | None = None, isolation: bool = True, packaged_xfails: bool = False,
@@ -190,7 +200,12 @@ def pytest_args(engines: list[str], *, profile: str, out_dir: Path, seed: int = 
     continues (timeouts use pytest-timeout's thread method, which ends a hung worker). ``isolation=False`` runs the
     checks in the pytest process itself (faster start; a crash then ends the run, and the supervisor rebuilds
     the report from the journal)."""
-    args = ["--pyargs", "fp8rl.conformance", "-p", "no:cacheprovider", "-q", "--no-header",
+    # the run's pytest reads no configuration of the directory it is started from: no ini file (-c devnull), its
+    # rootdir is the package holding the checks (node ids read test_*.py::…, installed or editable), and no
+    # conftest.py is discovered (a user's project conftest, or this repository's tests/conftest.py, must not change a
+    # conformance run): the checks' own conftest is loaded as a plugin
+    args = ["--pyargs", "fp8rl.conformance", "-c", os.devnull, "--rootdir", str(conformance_package_dir()),
+            "--noconftest", "-p", "fp8rl.conformance.conftest", "-p", "no:cacheprovider", "-q", "--no-header",
             "-o", "addopts=", "-o", "console_output_style=classic", "-W", "ignore::pytest.PytestAssertRewriteWarning",
             "--fp8rl-profile", profile, "--fp8rl-report-dir", str(out_dir), "--fp8rl-seed", str(seed),
             f"--hypothesis-seed={seed}"]  # the hypothesis checks' examples follow the run seed (strategies.seed_profile)

@@ -23,10 +23,10 @@ ROOT = REPO_ROOT
 NOT_SPACE = ("-k", "not input_space")
 
 
-def fp8rl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def fp8rl(*args: str, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "fp8rl", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=cwd)
 
 
 def _report(out: Path) -> dict:
@@ -135,6 +135,24 @@ def test_misbehaving_engine_gives_error_outcome_and_report(tmp_path, factory, ne
     assert errors, rep["summary"]
     assert any(needle in c["message"] for c in errors), errors[0]["message"]
     assert rep["summary"]["verdict"] == "non-conformant"
+
+
+def test_the_callers_pytest_configuration_does_not_reach_the_run(tmp_path):
+    """A conformance run started in a project with its own pytest.ini and conftest.py (one that would abort the run,
+    one that would mark every check failed) is the same run as anywhere else."""
+    proj = tmp_path / "proj"
+    (proj / "tests").mkdir(parents=True)
+    (proj / "pytest.ini").write_text("[pytest]\naddopts = --no-such-option\n")
+    (proj / "conftest.py").write_text("raise SystemExit('the caller\\'s conftest.py was loaded')\n")
+    (proj / "tests" / "conftest.py").write_text("import pytest\n@pytest.fixture(autouse=True)\ndef _x():\n"
+                                                "    raise RuntimeError('the caller\\'s tests/conftest.py')\n")
+    for isolation in ([], ["--no-isolation"]):
+        out = tmp_path / f"out{len(isolation)}"
+        r = fp8rl("conformance", "--engine", "reference", "--area", "formats", "-k", "SWEEP or sweep", *isolation,
+                  "--out", str(out), cwd=proj)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        rep = _report(out)
+        assert rep["summary"]["passed"] == rep["summary"]["total"] == 4, rep["summary"]
 
 
 def test_hanging_engine_times_out_as_error_and_run_continues(tmp_path):

@@ -163,3 +163,18 @@ def test_cli_kv_drift_usage_error():
     proc = subprocess.run([sys.executable, "-m", "fp8rl", "kv-drift", "--steps", "0"], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "steps" in proc.stdout + proc.stderr
+
+
+def test_cli_defaults_are_the_simulators_exact():
+    """``fp8rl kv-drift`` restates DriftConfig's defaults (its parser must not import torch): they must agree."""
+    from fp8rl.kv_cli import DRIFT_DEFAULTS
+
+    d = drift.DriftConfig()
+    assert DRIFT_DEFAULTS == {k: getattr(d, k) for k in DRIFT_DEFAULTS}
+
+
+def test_cli_parser_builds_without_torch():
+    """Every ``fp8rl`` command builds the whole parser first: it must not pay torch's import (~2 s per command)."""
+    code = "import sys; from fp8rl.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
