@@ -129,12 +129,8 @@ class VllmLLMMixin:
             if entry is None:  # that start failed: start (and raise) here
                 return self._llm(config, state_dict, recipe, extra)
         if owner:
-            try:
-                entry = [None, digest, "", (key, dict(config), state_dict, kwargs)]
-                _start_into(entry)
-            finally:
-                with _LLM_LOCK:
-                    _STARTING.pop(key).set()  # type: ignore[union-attr]
+            entry = [None, digest, "", (key, dict(config), state_dict, kwargs)]
+            _start_owned(entry)
         else:
             assert entry is not None  # not the starter: the LLM was running, or the start waited for succeeded
             if entry[0] is None:  # stopped to make room: start it again with these weights
@@ -192,7 +188,7 @@ class VllmLLMMixin:
                 self._llm(*args)
 
         # no more at once than may run (the others start when a check needs them)
-        room = max(0, max_live_llms() - sum(e[0] is not None for e in list(_LLMS.values())))
+        room = max(0, max_live_llms() - len(_running()))
         threads = [threading.Thread(target=start, args=(a,), daemon=True) for a in list(todo.values())[:room]]
         for t in threads:
             t.start()
@@ -326,7 +322,7 @@ def _make_room() -> None:
     ``_STARTING``); a stopped entry keeps its key, weights and kwargs and starts again when used."""
     stopped = []
     with _LLM_LOCK:
-        live = [e for e in _LLMS.values() if e[0] is not None]
+        live = _running()
         while live and len(live) + len(_STARTING) > max_live_llms():
             victim = live.pop(0)
             stopped.append([victim[0], None, victim[2]])  # stopped below, outside the lock
@@ -362,6 +358,22 @@ def _start_into(entry: list) -> None:
         _LLMS.move_to_end(key)
 
 
+def _start_owned(entry: list) -> None:
+    """:func:`_start_into` for a caller that registered the entry's key in ``_STARTING``: the threads waiting on
+    that start are released however it ends."""
+    try:
+        _start_into(entry)
+    finally:
+        with _LLM_LOCK:
+            _STARTING.pop(entry[3][0]).set()
+
+
+def _running() -> list[list]:
+    """The entries whose LLM runs now, least recently used first (the caller holds ``_LLM_LOCK`` or reads a
+    snapshot)."""
+    return [e for e in list(_LLMS.values()) if e[0] is not None]
+
+
 def live_llm(entry: list) -> Any:
     """The running ``vllm.LLM`` of a handle's entry, started again (with the weights it last held) if it was stopped
     to make room; marks it the most recently used."""
@@ -377,11 +389,7 @@ def live_llm(entry: list) -> Any:
         if not owner:
             pending.wait()
             return live_llm(entry)
-        try:
-            _start_into(entry)
-        finally:
-            with _LLM_LOCK:
-                _STARTING.pop(key).set()
+        _start_owned(entry)
     with _LLM_LOCK:
         if _LLMS.get(key) is entry:
             _LLMS.move_to_end(key)
