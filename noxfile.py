@@ -110,8 +110,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("vllm-triton", ("quantization", "gemm"), timeout=INTERPRETER_TIMEOUT),
                       Conformance("vllm-triton-colmajor", ("quantization",), timeout=INTERPRETER_TIMEOUT),
                       Conformance("vllm-triton-ue8m0", ("quantization",), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("compressed-tensors-mx", ("microscaling",)),
-                      Conformance("vllm-mx", ("microscaling",))),
+                      Conformance("compressed-tensors-mx", ("quantization",)),
+                      Conformance("vllm-mx", ("quantization", "gemm"))),
          # test_perf_vllm.py (perf gate smoke on a measured run) reuses the vllm.LLM that test_vllm_engine.py starts
          pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py", "tests/engines/vllm/test_perf_vllm.py"),
                  (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py"),

@@ -1,7 +1,8 @@
 """Area ``gemm``: W8A8 GEMM of quantized operands against the exact (fp64) oracle, within the derived bound for
 an fp32-accumulating implementation rounding to the output dtype.
 
-Operands are quantized by the oracle (not by the engine), so the GEMM is judged on its own.
+Operands are quantized by the oracle (not by the engine), so the GEMM is judged on its own. MX-GEMM-001 does the same
+for the microscaling recipes (E8M0 or two-level NVFP4 scales) within ``mx_gemm_fp32`` (docs/microscaling.md).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 from fp8rl.checks import assert_within_bound, check
+from fp8rl.reference import microscaling as mx
 from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
 from fp8rl.reference.quant import Granularity, quantize
 
 from . import _space as S
 from ._inputs import scaled_normal
+from ._mx import RECIPES
 
 OUT_DTYPES = pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 #: (M, K, N): aligned, N not a multiple of 128, one row, K not a multiple of 128, square block grid
@@ -127,3 +130,29 @@ def test_gemm_input_space_bound(engine, kind, cls, rng):
     out_dtype = torch.bfloat16 if cls == "arg.out_dtype=bf16" else torch.float32
     _check(engine, a, w, out_dtype, f"gemm[{kind}] {cls} M={a.codes.shape[0]} K={a.codes.shape[1]} "
                                     f"N={w.codes.shape[0]} out={out_dtype}")
+
+
+# ---- microscaling recipes: the two-level-scale GEMM (conformance/_mx.py, docs/microscaling.md) ---------------------
+
+@RECIPES
+@check("MX-GEMM-001", "y = a @ wᵀ of two microscaled operands (NVFP4: two-level scales, the global factor "
+       "1/(g_a·g_w) included) is within the derived fp32-accumulation bound of the exact product, for K = 64, 1024 "
+       "and (engines that take ragged shapes) a K that is not a multiple of the block.", bound="mx_gemm_fp32", requires=["mx_gemm.{recipe}"])
+def test_mx_gemm_bound(engine, recipe, rng):
+    policy = engine.mx_policy(recipe)
+    shapes = [(4, 8, 64), (3, 5, 1024)]
+    if engine.capabilities().get("mx_quantize.nondivisible") is True:
+        shapes.append((2, 3, 48 if policy.block == 32 else 40))
+    for m, n, k in shapes:
+        a = mx.mx_quantize(scaled_normal(rng, (m, k)), policy)
+        w = mx.mx_quantize(scaled_normal(rng, (n, k)) * 1e-3, policy)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = engine.mx_gemm(a, w, out_dtype)
+            assert y.shape == (m, n) and y.dtype == out_dtype, \
+                f"mx_gemm[{recipe}]: got {tuple(y.shape)} {y.dtype}, expected ({m}, {n}) {out_dtype}"
+            err = (y.double() - mx.mx_gemm_exact(a, w)).abs()
+            bound = mx.mx_gemm_error_bound(a, w, out_dtype)
+            assert bool((err <= bound).all()), (
+                f"mx_gemm[{recipe}] ({m},{k})×({n},{k})ᵀ → {out_dtype}: max err {float(err.max()):.4g}, "
+                f"{int((err > bound).sum())} of {err.numel()} outputs beyond the bound (max bound "
+                f"{float(bound.max()):.4g})")

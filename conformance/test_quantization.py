@@ -3,6 +3,11 @@
 The engine declares the ScalePolicy it implements per granularity (eps floor, power-of-two rounding, divide vs
 multiply, clamp); codes and scales must then equal the oracle's bit for bit. Policy-independent properties
 (round-trip error bound, finite scales for all-zero blocks) are checked too.
+
+The microscaling recipes are quantizers too and are checked here (MX-*; conformance/_mx.py, docs/microscaling.md):
+MXFP8 e4m3/e5m2 and MXFP4 with E8M0 scales per 32 elements, NVFP4 with E4M3 scales per 16 elements under an fp32
+per-tensor global scale. Element bytes (packed FP4), scale codes and the global scale are bit-exact under the
+engine's declared ``mx_policy(recipe)``; the round trip is within ``mx_roundtrip``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import pytest
 import torch
 from fp8rl import tolerances
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
+from fp8rl.reference import microscaling as mx
 from fp8rl.reference.formats import decode_codes
 from fp8rl.reference.quant import Granularity, quantize
 from hypothesis import given
@@ -19,6 +25,7 @@ from hypothesis import strategies as st
 
 from . import _space as S
 from ._inputs import scaled_normal
+from ._mx import FP4, RECIPES, compare_mx, mx_edge_rows, mx_shapes, mx_spread
 
 #: granularity kind → (granularity, shapes: divisible, non-divisible, one row, huge K)
 CASES = {
@@ -197,3 +204,82 @@ def test_quantize_input_space_exact(engine, kind, cls, rng):
     assert_tensors_equal(got.scale, ref.scale, context=f"{context}: scales ({policy.name})")
     assert_codes_equal(_nan_as_one(got.codes, policy.fmt), _nan_as_one(ref.codes, policy.fmt), policy.fmt,
                        context=f"{context}: codes ({policy.name})", inputs=x.float().contiguous())
+
+
+# ---- microscaling recipes: MXFP8 (e4m3/e5m2), MXFP4, NVFP4 (conformance/_mx.py, docs/microscaling.md) -------------
+
+@RECIPES
+@check("MX-EXACT-001", "On seeded Gaussian inputs spanning ±8 binades per row and column (NVFP4: ±3, within its "
+       "E4M3 scale range; divisible shapes, one row of K=4096) element bytes, scale codes and the NVFP4 global scale "
+       "equal the oracle's under the engine's declared mx_policy.", requires=["mx_quantize.{recipe}"])
+def test_mx_quantize_random_exact(engine, recipe, rng):
+    for shape in mx_shapes(recipe):
+        compare_mx(engine, scaled_normal(rng, shape, mx_spread(recipe)), recipe, f"mx_quantize[{recipe}] {shape}")
+
+
+@RECIPES
+@check("MX-EDGE-001", "Edge blocks give the oracle's bytes and scales: amax at T·2^k, one fp32 ulp above it and at "
+       "the top of a binade (where floor, ceil and fp32-log2 exponent rules disagree), element-grid ties at scale 1, "
+       "16-element halves 2^10 apart, an all-zero block, 1e-30 and 1e30 blocks.", requires=["mx_quantize.{recipe}"])
+def test_mx_quantize_edge_exact(engine, recipe):
+    rows = mx_edge_rows(recipe)
+    # NVFP4's global scale depends on the tensor amax: the tie row (amax T = 6 → g = 448, scale 1) is checked alone
+    compare_mx(engine, rows[-5:-4], recipe, f"mx_quantize[{recipe}] element-grid ties")
+    for i in range(rows.shape[0]):
+        compare_mx(engine, rows[i:i + 1], recipe, f"mx_quantize[{recipe}] edge row {i}")
+    compare_mx(engine, rows, recipe, f"mx_quantize[{recipe}] all edge rows together")
+
+
+@RECIPES
+@check("MX-SHAPE-001", "A last dimension that is not a multiple of the block (or is odd, for packed FP4) gives the "
+       "oracle's bytes and scales: the edge block holds the real elements only (zero padding), FP4 pads a zero "
+       "nibble.", requires=["mx_quantize.{recipe}", "mx_quantize.nondivisible"])
+def test_mx_quantize_nondivisible_exact(engine, recipe, rng):
+    for shape in [(3, 100), (2, 33), (5, 1), (4, 47)]:
+        x = scaled_normal(rng, shape)
+        x[..., -1] = x.abs().amax() * 2  # the edge block's max sits in its last (real) column
+        compare_mx(engine, x, recipe, f"mx_quantize[{recipe}] {shape}")
+
+
+@FP4
+@check("MX-PACK-001", "Packed FP4 stores element 2i in the low nibble and 2i+1 in the high nibble of byte i "
+       "(torch float4_e2m1fn_x2, compressed-tensors, vLLM): on a row whose neighbours all differ the bytes equal "
+       "the oracle's.", requires=["mx_quantize.{recipe}"])
+def test_fp4_packing_exact(engine, recipe):
+    vals = torch.tensor([6.0, 0.5, -1.0, 4.0, 1.5, -6.0, 0.0, 3.0] * 4)
+    compare_mx(engine, vals.reshape(1, -1), recipe, f"mx_quantize[{recipe}] alternating pairs")
+
+
+@check("MX-NVFP4-001", "NVFP4's per-tensor global scale is g = 448·6/amax (fp32) and is applied: scaling a tensor "
+       "by 2^±20 leaves block-scale codes and element bytes unchanged and divides g by the same power of two; both "
+       "equal the oracle's.", requires=["mx_quantize.nvfp4"])
+def test_nvfp4_global_scale_exact(engine, rng):
+    x = scaled_normal(rng, (8, 128), mx_spread("nvfp4"))
+    base = engine.mx_quantize(x, "nvfp4")
+    for k in (-20, 20):
+        xs = x * 2.0**k
+        compare_mx(engine, xs, "nvfp4", f"mx_quantize[nvfp4] x·2^{k}")
+        got = engine.mx_quantize(xs, "nvfp4")
+        assert torch.equal(got.scales, base.scales) and torch.equal(got.data, base.data), \
+            f"mx_quantize[nvfp4] x·2^{k}: scales/codes changed with a power-of-two rescale of the whole tensor"
+        ratio = float(base.global_scale) / float(got.global_scale)
+        assert ratio == 2.0**k, f"mx_quantize[nvfp4] x·2^{k}: g ratio {ratio}, expected 2^{k}"
+
+
+@RECIPES
+@check("MX-BOUND-001", "Dequantizing the engine's own output (its bytes, scales and global scale, decoded by the "
+       "format definitions) reproduces x within the derived round-trip bound, whatever the declared policy.",
+       bound="mx_roundtrip", requires=["mx_quantize.{recipe}"])
+def test_mx_roundtrip_bound(engine, recipe, rng):
+    for shape in [(16, 256), (4, 96)]:
+        x = scaled_normal(rng, shape)
+        got = engine.mx_quantize(x, recipe)
+        q = mx.MXTensor(got.data, got.scales, got.global_scale, tuple(x.shape), engine.mx_policy(recipe))
+        err = (mx.dequantize_mx(q) - x.double()).abs()
+        bound = tolerances.mx_roundtrip_bound(q, x)
+        excess = err - bound
+        worst = int(excess.argmax())
+        assert bool((excess <= 0).all()), (
+            f"mx_roundtrip[{recipe}] {shape}: {int((excess > 0).sum())} of {x.numel()} elements beyond the bound, "
+            f"worst x={float(x.flatten()[worst])!r} err={float(err.flatten()[worst]):.4g} "
+            f"bound={float(bound.flatten()[worst]):.4g}")

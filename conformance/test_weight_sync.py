@@ -8,6 +8,10 @@ every projection has a partial edge block and several have non-square scale grid
 projection dimension that is a multiple of 128 and tied embeddings; ``tiny-qwen2-moe`` has a shared expert (its
 projections are quantized) with a shared-expert gate and q/k/v biases (kept BF16). The trainer's fp32 master weights
 must sync bit for bit like their BF16 cast.
+
+The microscaling rollout recipes (WSYNC-MX-*; fp8rl.reference.mx_weight_sync, docs/microscaling.md): ``mxfp8`` syncs
+every projection as MXFP8 e4m3 + E8M0 scales, ``nvfp4-experts`` only the routed experts as NVFP4, in
+compressed-tensors' names (what vLLM's compressed-tensors schemes load), bit-exact under the declared ``mx_policy``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import pytest
 import torch
 from fp8rl import fixtures, tolerances
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.reference import microscaling as mx
+from fp8rl.reference import mx_weight_sync as mxws
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.quant import Granularity
@@ -165,3 +171,100 @@ def test_weight_sync_fp32_master_exact(engine, model):
             bad.append(f"{name}: {n}/{w.numel()} elements differ")
     assert not bad, f"{model}: {len(bad)} tensors of the fp32 master sync differ from the BF16 cast's: " + \
         "; ".join(bad[:6])
+
+
+# ---- microscaling recipes: mxfp8 (every projection) and nvfp4-experts (routed experts only) -------------------------
+# (fp8rl.reference.mx_weight_sync, docs/microscaling.md "Weight sync")
+
+MX_SYNC = pytest.mark.parametrize("recipe", list(mxws.MX_SYNC_RECIPES))
+
+
+@functools.lru_cache(maxsize=16)
+def _mx_oracle_sync(model: str, recipe: str, policy: mx.MXPolicy) -> dict[str, torch.Tensor]:
+    return mxws.mx_sync_state_dict(fixtures.tiny_model(model).state_dict, recipe, policy)
+
+
+def _diff_synced(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Per tensor of ``want``: dtype, shape, then bytes (the first differing element's codes)."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return [f"names differ: missing {missing[:4]}, unexpected {extra[:4]}"]
+    bad = []
+    for name, w in want.items():
+        g = got[name]
+        if g.dtype != w.dtype or g.shape != w.shape:
+            bad.append(f"{name}: {g.dtype} {tuple(g.shape)}, expected {w.dtype} {tuple(w.shape)}")
+            continue
+        gb = g.contiguous().view(torch.uint8).reshape(w.numel(), -1) if w.numel() else g
+        wb = w.contiguous().view(torch.uint8).reshape(w.numel(), -1) if w.numel() else w
+        if not torch.equal(gb, wb):
+            diff = (gb != wb).any(-1)
+            i = int(diff.nonzero()[0])
+            bad.append(f"{name}: {int(diff.sum())}/{w.numel()} elements differ, first at flat index {i}: "
+                       f"bytes {gb[i].tolist()} vs {wb[i].tolist()}")
+    return bad
+
+
+@MODELS
+@MX_SYNC
+@check("WSYNC-MX-001", "Under the microscaling rollout recipes (mxfp8: every projection MXFP8 e4m3 with E8M0 "
+       "scales per 32; nvfp4-experts: only the routed experts' projections NVFP4) the synced state dict has exactly "
+       "compressed-tensors' names, dtypes and shapes (<p>.weight float8_e4m3fn + <p>.weight_scale uint8 "
+       "(N, ⌈K/32⌉); <p>.weight_packed uint8 (N, ⌈K/2⌉) + <p>.weight_scale float8_e4m3fn (N, ⌈K/16⌉) + "
+       "<p>.weight_global_scale float32 (1,)); element bytes, scale codes and global scales equal the oracle's "
+       "under the engine's declared mx_policy, and every other tensor (attention and shared expert under "
+       "nvfp4-experts, router, embeddings, lm_head, norms, biases) is the trainer's BF16 tensor unchanged.",
+       requires=["mx_weight_sync.{recipe}"])
+def test_mx_weight_sync_exact(engine, model, recipe):
+    policy = engine.mx_policy(mxws.get_mx_sync_recipe(recipe).mx_recipe)
+    got = engine.mx_weight_sync(fixtures.tiny_model(model).state_dict, recipe)
+    want = _mx_oracle_sync(model, recipe, policy)
+    bad = _diff_synced(got, want)
+    assert not bad, f"{model} {recipe} ({policy.name}): {len(bad)} synced tensors differ from the oracle's: " + \
+        "; ".join(bad[:5])
+
+
+@MODELS
+@MX_SYNC
+@check("WSYNC-MX-002", "The trainer's fp32 master weights sync under a microscaling recipe exactly like their "
+       "round-to-nearest-even BF16 cast (names, dtypes, shapes, element bytes, scales, global scales, kept BF16 "
+       "tensors): a quantizer reading the fp32 values directly gives other block amaxes, scales and codes.",
+       requires=["mx_weight_sync.{recipe}"])
+def test_mx_weight_sync_fp32_master_exact(engine, model, recipe):
+    master = fixtures.master_state_dict(model)
+    got = engine.mx_weight_sync({k: v.clone() for k, v in master.items()}, recipe)
+    want = engine.mx_weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()}, recipe)
+    bad = _diff_synced(got, want)
+    assert not bad, f"{model} {recipe}: {len(bad)} tensors of the fp32 master sync differ from the BF16 cast's: " + \
+        "; ".join(bad[:5])
+
+
+@MODELS
+@MX_SYNC
+@check("WSYNC-MX-003", "Whatever the declared policy, each microscaled synced weight, decoded by the format "
+       "definitions (E4M3 × 2^(E8M0 − 127); E2M1 × E4M3 scale / global scale), is within the microscaling "
+       "round-trip bound of the BF16 weight.", bound="mx_roundtrip", requires=["mx_weight_sync.{recipe}"])
+def test_mx_weight_sync_dequant_bound(engine, model, recipe):
+    sd = fixtures.tiny_model(model).state_dict
+    r = mxws.get_mx_sync_recipe(recipe)
+    policy = engine.mx_policy(r.mx_recipe)
+    got = engine.mx_weight_sync(sd, recipe)
+    names = mxws.mx_quantized_names(sd, r)
+    assert names or not fixtures.tiny_model(model).is_moe or recipe != "nvfp4-experts", \
+        f"{model}: nvfp4-experts quantizes no expert (the fixture has experts)"
+    for name in names:
+        x = sd[name].float()
+        parts = mxws.mx_synced_names(name, r)
+        if any(p not in got for p in parts):
+            raise AssertionError(f"{model} {recipe}: {name} is not synced as {parts} "
+                                 f"(missing {[p for p in parts if p not in got]})")
+        data, scales = got[parts[0]].contiguous().view(torch.uint8), got[parts[1]].contiguous().view(torch.uint8)
+        g = got[parts[2]].reshape(()).float() if policy.two_level else None
+        q = mx.MXTensor(data, scales, g, tuple(x.shape), policy)
+        try:
+            deq = mx.dequantize_mx(q)
+        except Exception as exc:  # noqa: BLE001 - a layout the decoder can't read is the engine's fault
+            raise AssertionError(f"{model} {recipe}: {name}: the synced tensors do not decode as {policy.name} "
+                                 f"({type(exc).__name__}: {exc})") from None
+        assert_within_bound(deq, x, tolerances.mx_roundtrip_bound(q, x),
+                            context=f"{model} {recipe}: {name} ({policy.name})")

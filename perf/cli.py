@@ -85,7 +85,8 @@ def cmd_model(args: argparse.Namespace) -> int:
         "model": {"name": spec.name, "params": spec.num_params(), "active_params_per_token": spec.active_params_per_token(),
                   "moe": spec.is_moe, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
         "hardware": {"name": hw.name, "class": hw.cls, "hbm_bytes": hw.hbm_bytes, "bandwidth_Bps": hw.hbm_bandwidth_Bps,
-                     "bf16_dense_flops": hw.bf16_dense_flops, "fp8_dense_flops": hw.fp8_dense_flops},
+                     "bf16_dense_flops": hw.bf16_dense_flops, "fp8_dense_flops": hw.fp8_dense_flops,
+                     "fp4_dense_flops": hw.fp4_dense_flops},
         "workload": {"prompt_len": wl.prompt_len, "gen_len": wl.gen_len, "max_num_seqs": wl.max_num_seqs,
                      "num_requests": wl.num_requests, "gpu_memory_utilization": wl.gpu_memory_utilization,
                      "overhead_bytes": wl.overhead_bytes, "tp": wl.tp, "block_size": wl.block_size,
@@ -345,11 +346,12 @@ def cmd_hardware(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title="hardware specs (perf/hardware.json)", title_justify="left")
-    for c in ("name", "class", "HBM", "bandwidth", "BF16 dense", "FP8 dense"):
+    for c in ("name", "class", "HBM", "bandwidth", "BF16 dense", "FP8 dense", "FP4 dense"):
         t.add_column(c)
     for h in hws:
         t.add_row(h.name, h.cls, _gib(h.hbm_bytes), f"{h.hbm_bandwidth_Bps / 1e12:.2f} TB/s",
-                  f"{h.bf16_dense_flops / 1e12:,.0f} TFLOP/s", f"{h.fp8_dense_flops / 1e12:,.0f} TFLOP/s")
+                  f"{h.bf16_dense_flops / 1e12:,.0f} TFLOP/s", f"{h.fp8_dense_flops / 1e12:,.0f} TFLOP/s",
+                  f"{h.fp4_dense_flops / 1e12:,.0f} TFLOP/s" if h.fp4_dense_flops else "—")
     _console().print(t)
     return EXIT_OK
 

@@ -103,9 +103,13 @@ WEIGHT_FORMATS: dict[str, tuple[float, int, int, int]] = {
     "fp8-per-channel": (1.0, 4, 1 << 30, 0),  # FP8 + one fp32 scale per output row (vLLM fp8_per_channel / PTPC)
 }
 
+#: weight formats whose GEMMs run at the FP4 tensor-core rate (where hardware.json lists ``fp4_dense_flops``)
+FP4_WEIGHT_FORMATS = ("mxfp4", "nvfp4")
+
 #: the microscaling rollout recipes (docs/microscaling.md): not in PRECISIONS (the FP8 tables keep their rows); name
-#: them in ``fp8rl perf model --configs``. Compute uses the FP8 dense peak (MXFP8 runs at the FP8 rate on Blackwell;
-#: hardware.json has no FP4 peak, so NVFP4's compute term is an upper bound and its ceiling a lower bound).
+#: them in ``fp8rl perf model --configs``. Compute: MXFP8 at the FP8 dense peak (its rate on Blackwell), MXFP4 and
+#: NVFP4 at the FP4 dense peak where the hardware lists one (B200, GB200), else the FP8 peak (a lower-bound ceiling).
+#: As for the FP8 rows, every linear FLOP runs at the recipe's rate (the BF16 layers of nvfp4-experts included).
 MX_PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("mxfp8", True, False, False, "MXFP8 linear and expert layers (E4M3 + E8M0 per 32); BF16 KV cache",
               weight_format="mxfp8"),
@@ -402,8 +406,13 @@ class Hardware:
     fp8_dense_flops: float
     match: tuple[str, ...] = ()
     source: str = ""
+    #: dense FP4 (NVFP4/MXFP4) tensor-core peak, where the datasheet gives one (Blackwell); None elsewhere
+    fp4_dense_flops: float | None = None
 
-    def peak(self, fp8: bool) -> float:
+    def peak(self, fp8: bool, fp4: bool = False) -> float:
+        """The dense peak of the linear layers' format: FP4 where asked and listed, else FP8 or BF16."""
+        if fp4 and self.fp4_dense_flops:
+            return self.fp4_dense_flops
         return self.fp8_dense_flops if fp8 else self.bf16_dense_flops
 
 
@@ -413,7 +422,8 @@ def _parse_hardware(data: dict) -> dict[str, Hardware]:
         out[name] = Hardware(name=name, cls=h["class"], hbm_bytes=int(h["hbm_bytes"]),
                              hbm_bandwidth_Bps=float(h["hbm_bandwidth_Bps"]),
                              bf16_dense_flops=float(h["bf16_dense_flops"]), fp8_dense_flops=float(h["fp8_dense_flops"]),
-                             match=tuple(h.get("match", ())), source=h.get("source", ""))
+                             match=tuple(h.get("match", ())), source=h.get("source", ""),
+                             fp4_dense_flops=float(h["fp4_dense_flops"]) if h.get("fp4_dense_flops") else None)
     return out
 
 
@@ -604,7 +614,8 @@ def decode_step(spec: ModelSpec, hw: Hardware, precision: str | Precision, concu
     lin_flops = 2.0 * c * spec.active_params_per_token() / tp
     attn_flops = 4.0 * c * context * spec.num_heads * spec.head_dim * spec.num_layers / tp
     t_mem = total_bytes / hw.hbm_bandwidth_Bps
-    t_cmp = lin_flops / hw.peak(p.linear_fp8) + attn_flops / hw.peak(p.attention_fp8)
+    t_cmp = lin_flops / hw.peak(p.linear_fp8, p.weight_format in FP4_WEIGHT_FORMATS) + \
+        attn_flops / hw.peak(p.attention_fp8)
     return {"time_s": max(t_mem, t_cmp), "memory_time_s": t_mem, "compute_time_s": t_cmp,
             "bound": "memory" if t_mem >= t_cmp else "compute", "weight_bytes_read": wbytes,
             "kv_bytes_read": kv_read, "bytes": total_bytes, "linear_flops": lin_flops, "attention_flops": attn_flops}

@@ -23,6 +23,8 @@ GEMM_KINDS = ("block", "tensor", "row")
 ROLLOUT_RECIPES = tuple(RECIPES)
 #: the microscaling recipes (``mx_quantize.<recipe>``): fp8rl.reference.microscaling.RECIPES
 MX_RECIPES = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+#: the microscaling weight-sync recipes (``mx_weight_sync.<recipe>``): fp8rl.reference.mx_weight_sync.MX_SYNC_RECIPES
+MX_SYNC_RECIPES = ("mxfp8", "nvfp4-experts")
 
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
@@ -104,14 +106,19 @@ def _table() -> dict[str, Capability]:
     rows.append(Capability("rollout.logits", "e2e", ("rollout_logits",) + _ROLLOUT_OPS,
                            "rollout_logits: a rollout that also returns the fp32 logits each token was drawn from "
                            "(the self-consistency checks: log-probs, greedy argmax, goodness of fit)"))
+    # the microscaling recipes belong to the quantization and gemm areas (docs/microscaling.md)
     mx_ops = ("mx_quantize", "mx_policy")
     for r in MX_RECIPES:
-        rows.append(Capability(f"mx_quantize.{r}", "microscaling", mx_ops,
+        rows.append(Capability(f"mx_quantize.{r}", "quantization", mx_ops,
                                f"mx_quantize(x, '{r}'): microscaled codes and scales under the declared mx_policy('{r}') "
                                "(fp8rl.reference.microscaling)"))
-        rows.append(Capability(f"mx_gemm.{r}", "microscaling", ("mx_gemm",),
+        rows.append(Capability(f"mx_gemm.{r}", "gemm", ("mx_gemm",),
                                f"mx_gemm(a, w, out_dtype): y = a @ wᵀ of two {r} tensors, fp32 accumulation"))
-    rows.append(Capability("mx_quantize.nondivisible", "microscaling", mx_ops,
+    for r in MX_SYNC_RECIPES:
+        rows.append(Capability(f"mx_weight_sync.{r}", "weight_sync", ("mx_weight_sync", "mx_policy"),
+                               f"mx_weight_sync(state_dict, '{r}'): the {r} weight sync, compressed-tensors names "
+                               "(fp8rl.reference.mx_weight_sync)"))
+    rows.append(Capability("mx_quantize.nondivisible", "quantization", mx_ops,
                            "mx_quantize of a last dimension that is not a multiple of the block (32 or 16) or odd "
                            "(packed FP4): the edge block holds the real elements only"))
     return {c.key: c for c in rows}

@@ -327,6 +327,15 @@ class GuardedEngine:
             raise EngineError(f"{self.name}.weight_sync: entries that are not str → Tensor: {bad[:3]}")
         return out
 
+    def mx_weight_sync(self, state_dict: Any, recipe: str) -> dict[str, torch.Tensor]:
+        out = self._call("mx_weight_sync", state_dict, recipe)
+        if not isinstance(out, dict):
+            raise EngineError(f"{self.name}.mx_weight_sync returned {type(out).__name__}, expected a dict")
+        bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise EngineError(f"{self.name}.mx_weight_sync: entries that are not str → Tensor: {bad[:3]}")
+        return out
+
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         handle = self._call("rollout_init", config, state_dict, recipe)
         self._vocab[id(handle)] = int(config["vocab_size"]) if isinstance(config, dict) and "vocab_size" in config \

@@ -6,7 +6,8 @@ unavailable capability is *skipped with that reason*, never passed.
 
 Capability keys, their areas, the ops each gates and their meaning: :mod:`fp8rl.capabilities` (the one table).
 The protocol is split by area into mixins (:class:`CoreOps`: formats, quantization, GEMM; :class:`KVOps`;
-:class:`CorrectionOps`; :class:`RolloutOps`: weight sync and e2e); :class:`Engine` is all of them.
+:class:`CorrectionOps`; :class:`RolloutOps`: weight sync and e2e; :class:`MXOps`: the microscaling recipes);
+:class:`Engine` is all of them.
 
 The engine *declares* the numerics it implements, so that checks compare like with like:
 ``cast_overflow(fmt)`` names its overflow policy per format, and ``scale_policy(kind)`` returns the
@@ -265,7 +266,38 @@ class RolloutOps:
         raise Unsupported(f"{self.name} has no update_weights op")
 
 
-class Engine(CoreOps, KVOps, CorrectionOps, RolloutOps):
+class MXOps:
+    """The microscaling recipes (MXFP8 e4m3/e5m2 and MXFP4: E8M0 scales per 32; NVFP4: E4M3 scales per 16 × an
+    fp32 global scale) in the areas ``quantization``, ``gemm`` and ``weight_sync`` (capabilities
+    ``mx_quantize.<recipe>``, ``mx_quantize.nondivisible``, ``mx_gemm.<recipe>``, ``mx_weight_sync.<recipe>``).
+    Oracle and formulas: fp8rl.reference.microscaling, fp8rl.reference.mx_weight_sync; docs/microscaling.md."""
+
+    name: str
+
+    def mx_policy(self, recipe: str) -> Any:
+        """The :class:`~fp8rl.reference.microscaling.MXPolicy` this engine implements for ``recipe`` (``mxfp8_e4m3``,
+        ``mxfp8_e5m2``, ``mxfp4``, ``nvfp4``): exponent rule, scale arithmetic order."""
+        raise Unsupported(f"{self.name} has no microscaling quantizer")
+
+    def mx_quantize(self, x: torch.Tensor, recipe: str) -> Any:
+        """``x`` (…, K) → :class:`~fp8rl.reference.microscaling.MXTensor` (uint8 element bytes, packed two per byte
+        for FP4, element 2i in the low nibble; uint8 scale codes per block along K; NVFP4's fp32 global scale)."""
+        raise Unsupported(f"{self.name} has no mx_quantize op")
+
+    def mx_gemm(self, a: Any, w: Any, out_dtype: torch.dtype) -> torch.Tensor:
+        """y = a @ wᵀ of two MXTensors of one recipe, accumulated in fp32, rounded once to ``out_dtype``."""
+        raise Unsupported(f"{self.name} has no mx_gemm op")
+
+    def mx_weight_sync(self, state_dict: Any, recipe: str) -> dict[str, torch.Tensor]:
+        """The tensors this engine's per-step weight sync loads under a microscaling rollout recipe (``mxfp8``:
+        every projection; ``nvfp4-experts``: the routed MoE experts only), for a checkpoint-named BF16 (or fp32
+        master) state dict: compressed-tensors names (``<p>.weight`` e4m3 + ``<p>.weight_scale`` uint8 E8M0; or
+        ``<p>.weight_packed`` uint8 + ``<p>.weight_scale`` e4m3 + ``<p>.weight_global_scale`` fp32 (1,)), every
+        other tensor its BF16 cast (fp8rl.reference.mx_weight_sync)."""
+        raise Unsupported(f"{self.name} has no mx_weight_sync op")
+
+
+class Engine(CoreOps, KVOps, CorrectionOps, RolloutOps, MXOps):
     """Base class (and documentation) of the engine protocol: every area's ops. Subclasses override what they
     support; every op not overridden raises :class:`Unsupported`, and ``capabilities()`` must say so with a
     reason (keys: :mod:`fp8rl.capabilities`)."""

@@ -55,7 +55,6 @@ class ReferenceEngine(Engine):
         for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync", "checkpoint"):
             caps.update(capabilities.all_of(area))
         caps.update(self._caps_e2e())
-        caps.update(capabilities.all_of("microscaling"))
         return caps
 
     def cast_overflow(self, fmt: str) -> formats.OverflowPolicy:
@@ -232,7 +231,7 @@ class ReferenceEngine(Engine):
         ck.fp8_pairs(config, tensors)
         return ck.expected_attention_scales(ck.attention_scales_in_file(tensors, config["num_hidden_layers"]))
 
-    # -- area microscaling: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling
+    # -- areas quantization and gemm, microscaling recipes: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling
     def mx_policy(self, recipe: str):
         """The microscaling policy this engine implements for ``recipe`` (the oracle's: OCP floor, compressed-tensors
         NVFP4)."""
@@ -249,6 +248,15 @@ class ReferenceEngine(Engine):
         from fp8rl.reference.microscaling import mx_gemm_exact
 
         return mx_gemm_exact(a, w).to(out_dtype)
+
+    def mx_weight_sync(self, state_dict, recipe: str):
+        """The oracle's microscaling weight sync (fp8rl.reference.mx_weight_sync) under this engine's declared
+        ``mx_policy`` of the recipe's format, its quantizer this engine's ``mx_quantize``."""
+        from fp8rl.reference.mx_weight_sync import get_mx_sync_recipe, mx_sync_state_dict
+
+        r = get_mx_sync_recipe(recipe)
+        return mx_sync_state_dict(state_dict, r, self.mx_policy(r.mx_recipe),
+                                  quantize_fn=lambda w: self.mx_quantize(w, r.mx_recipe))
 
     def _rollout_policy_class(self):
         """The rollout policy class (a subclass of :class:`~fp8rl.reference.rollout_hf.RolloutPolicy`, e.g. with

@@ -68,6 +68,9 @@ class TorchEngine(Engine):
         caps["cast.bf16"] = True
         caps.update(capabilities.all_of("quantization"))
         caps.update(capabilities.all_of("gemm"))
+        caps.update(dict.fromkeys(capabilities.keys(prefix="mx_"),
+                                  f"torch {torch.__version__} has the MX dtypes (float8_e8m0fnu, float4_e2m1fn_x2) but "
+                                  "no microscaling quantizer or GEMM on CPU (engines compressed-tensors-mx, vllm-mx)"))
         sdpa = hasattr(torch.nn.functional, "scaled_dot_product_attention")
         caps.update(capabilities.all_of("kv", True if sdpa else f"torch {torch.__version__} has no "
                                                                 "scaled_dot_product_attention"))

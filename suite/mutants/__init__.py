@@ -25,7 +25,6 @@ from . import (
     gemm,
     kv,
     learning,
-    microscaling,
     quantization,
     weight_sync,
 )
@@ -33,7 +32,7 @@ from ._base import Mutant, mutant
 
 #: the area modules, in report order
 AREA_MODULES: tuple[ModuleType, ...] = (formats, quantization, gemm, kv, correction, weight_sync, e2e, checkpoint,
-                                        learning, microscaling)
+                                        learning)
 
 
 def _collect(modules: Iterable[ModuleType]) -> dict[str, Mutant]:

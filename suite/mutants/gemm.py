@@ -1,9 +1,13 @@
-"""GEMM mutants: scaled FP8 GEMMs with one realistic accumulation or scale-layout bug each (area ``gemm``)."""
+"""GEMM mutants: scaled FP8 and microscaled GEMMs with one realistic accumulation or scale-layout bug each (area
+``gemm``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference import microscaling as mx
 from fp8rl.reference.gemm import block_gemm_exact
 from fp8rl.reference.quant import QuantizedTensor
 
@@ -82,3 +86,28 @@ class GemmNanCodeAsZero(ReferenceEngine):
                                    t.policy)
 
         return block_gemm_exact(clean(a), clean(w)).to(out_dtype)
+
+
+# ---- microscaled GEMMs (fp8rl.reference.microscaling) ------------------------------------------------------------
+
+@mutant("mx-gemm-no-global-scale", "NVFP4 GEMM that drops the global factor 1/(g_a·g_w) (block scales only)",
+        kills=("MX-GEMM-001",))
+class GemmNoGlobal(ReferenceEngine):
+    def mx_gemm(self, a, w, out_dtype):
+        if a.global_scale is None:
+            return super().mx_gemm(a, w, out_dtype)
+        a1, w1 = replace(a, global_scale=torch.tensor(1.0)), replace(w, global_scale=torch.tensor(1.0))
+        return mx.mx_gemm_exact(a1, w1).to(out_dtype)
+
+
+@mutant("mx-gemm-scale-stride-32", "microscaled GEMM that indexes block scales with a stride of 32 elements where "
+        "the format's block is 16 (NVFP4) — MX tensors read their 32-block scale at k // 64 instead",
+        kills=("MX-GEMM-001",))
+class GemmScaleStride(ReferenceEngine):
+    def mx_gemm(self, a, w, out_dtype):
+        def deq(q: mx.MXTensor) -> torch.Tensor:
+            k = q.shape[-1]
+            idx = torch.arange(k) // (2 * q.policy.block)
+            return q.element_values() * q.scale_values()[..., idx]
+
+        return (deq(a) @ deq(w).T).to(out_dtype)

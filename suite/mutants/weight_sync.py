@@ -1,11 +1,15 @@
 """Weight-sync mutants: the per-step BF16 → FP8 weight sync with one realistic bug each (area ``weight_sync``:
-the synced checkpoint is wrong)."""
+the synced checkpoint is wrong), FP8 and microscaling (MXFP8, NVFP4) recipes."""
 
 from __future__ import annotations
 
+import torch
 from fp8rl.engines.reference import ReferenceEngine
+from fp8rl.reference import microscaling as mx
+from fp8rl.reference import mx_weight_sync as mxws
 
 from ._base import mutant
+from .quantization import _nvfp4_with_global
 
 _ROUTER = r"(^|\.)mlp\.gate\.weight$"
 
@@ -78,3 +82,96 @@ class SharedExpertSkipped(ReferenceEngine):
         return r.with_(include=(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$",
                                 r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$",
                                 r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"))
+
+
+# ---- microscaling recipes (fp8rl.reference.mx_weight_sync) ----------------------------------------------------------
+
+def _mx_sync(engine: ReferenceEngine, state_dict, recipe: str, **recipe_changes):
+    """The oracle's MX sync under the engine's policy, with a changed recipe (name filter)."""
+    r = mxws.get_mx_sync_recipe(recipe)
+    r = mxws.MXSyncRecipe(r.name, r.mx_recipe, recipe_changes.get("include", r.include),
+                          recipe_changes.get("exclude", r.exclude))
+    return mxws.mx_sync_state_dict(state_dict, r, engine.mx_policy(r.mx_recipe))
+
+
+@mutant("mx-sync-fp32-direct", "the microscaling weight sync quantizes the trainer's fp32 master weights directly "
+        "(no BF16 cast first): other block amaxes, E8M0/E4M3 scales and codes than the BF16 policy's",
+        kills=("WSYNC-MX-002",))
+class MXSyncFp32Direct(ReferenceEngine):
+    def mx_weight_sync(self, state_dict, recipe):
+        r = mxws.get_mx_sync_recipe(recipe)
+        p = self.mx_policy(r.mx_recipe)
+        out = super().mx_weight_sync(state_dict, recipe)
+        for name in mxws.mx_quantized_names(state_dict, r):
+            q = mx.mx_quantize(state_dict[name].detach().float(), p)
+            parts = mxws.mx_synced_names(name, r)
+            if p.two_level:
+                out[parts[0]], out[parts[1]] = q.data, q.scales.view(torch.float8_e4m3fn)
+                out[parts[2]] = q.global_scale.reshape(1).float()
+            else:
+                out[parts[0]], out[parts[1]] = q.data.view(torch.float8_e4m3fn), q.scales
+        return out
+
+
+@mutant("nvfp4-sync-attention-quantized", "nvfp4-experts syncs the attention projections in NVFP4 too (a name "
+        "filter that matches every projection of an MoE layer, not the routed experts only)",
+        kills=("WSYNC-MX-001",))
+class NVFP4SyncAttention(ReferenceEngine):
+    def mx_weight_sync(self, state_dict, recipe):
+        if recipe != "nvfp4-experts":
+            return super().mx_weight_sync(state_dict, recipe)
+        return _mx_sync(self, state_dict, recipe, include=mxws.EXPERT_INCLUDE + (r"\.(q_proj|k_proj|v_proj|o_proj)"
+                                                                                   r"\.weight$",))
+
+
+@mutant("nvfp4-sync-global-inverted", "NVFP4 sync stores the dequant-direction global scale 1/g (amax/2688) as "
+        "weight_global_scale, where compressed-tensors and vLLM store g = 2688/amax",
+        kills=("WSYNC-MX-001", "WSYNC-MX-003"))
+class NVFP4SyncGlobalInverted(ReferenceEngine):
+    def mx_weight_sync(self, state_dict, recipe):
+        out = super().mx_weight_sync(state_dict, recipe)
+        return {k: (1.0 / v.double()).float() if k.endswith(".weight_global_scale") else v for k, v in out.items()}
+
+
+@mutant("nvfp4-sync-gate-up-one-global", "NVFP4 sync quantizes an expert's up_proj with its gate_proj's global "
+        "scale (one global scale for the fused w13 GEMM, taken from the first shard)", kills=("WSYNC-MX-001",))
+class NVFP4SyncSharedGlobal(ReferenceEngine):
+    def mx_weight_sync(self, state_dict, recipe):
+        out = super().mx_weight_sync(state_dict, recipe)
+        r = mxws.get_mx_sync_recipe(recipe)
+        p = self.mx_policy(r.mx_recipe)
+        if not p.two_level:
+            return out
+        for name in mxws.mx_quantized_names(state_dict, r):
+            if ".up_proj." not in name:
+                continue
+            gate = state_dict[name.replace(".up_proj.", ".gate_proj.")].detach().to(torch.bfloat16).float()
+            g = mx.nvfp4_global_scale(gate, p.global_op)
+            q = _nvfp4_with_global(state_dict[name].detach().to(torch.bfloat16).float(), p, g)
+            parts = mxws.mx_synced_names(name, r)
+            out[parts[0]], out[parts[1]] = q.data, q.scales.view(torch.float8_e4m3fn)
+            out[parts[2]] = g.reshape(1).float()
+        return out
+
+
+@mutant("mxfp8-sync-scales-along-n", "MXFP8 sync computes the E8M0 blocks along the output dimension N (the "
+        "weight's columns) instead of along K, the reduction dimension the GEMM reads them on",
+        kills=("WSYNC-MX-001", "WSYNC-MX-003"))
+class MXFP8SyncScalesAlongN(ReferenceEngine):
+    def mx_weight_sync(self, state_dict, recipe):
+        r = mxws.get_mx_sync_recipe(recipe)
+        p = self.mx_policy(r.mx_recipe)
+        if p.two_level:
+            return super().mx_weight_sync(state_dict, recipe)
+        out = super().mx_weight_sync(state_dict, recipe)
+        for name in mxws.mx_quantized_names(state_dict, r):
+            q = mx.mx_quantize(state_dict[name].detach().to(torch.bfloat16).float().T.contiguous(), p)
+            codes, scales = q.data.T.contiguous(), q.scales.T.contiguous()
+            parts = mxws.mx_synced_names(name, r)
+            out[parts[0]] = codes.view(torch.float8_e4m3fn)
+            # the scale tensor keeps the expected (N, ⌈K/32⌉) shape where it can: the values are per-N blocks
+            n, k = state_dict[name].shape
+            want = (n, -(-k // p.block))
+            out[parts[1]] = scales.reshape(-1)[: want[0] * want[1]].reshape(want) \
+                if scales.numel() >= want[0] * want[1] else scales
+        return out

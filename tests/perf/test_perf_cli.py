@@ -185,7 +185,7 @@ def test_claims_and_hardware_listings(capsys):
     capsys.readouterr()
     assert run("perf", "hardware", "--json") == 0
     hw = json.loads(capsys.readouterr().out)
-    assert {h["name"] for h in hw} == {"H100-SXM-80GB", "H200", "B200"}
+    assert {h["name"] for h in hw} == {"H100-SXM-80GB", "H200", "B200", "GB200"}
     assert run("perf", "hardware") == 0
 
 

@@ -37,3 +37,24 @@ def test_fp8_rows_unchanged_and_mx_rows_resolve_exact():
         assert pm.get_precision(name).name == name
     est = pm.estimate_all(spec, pm.load_hardware("B200"), pm.Workload(), ["bf16", "mxfp8", "nvfp4-experts"])
     assert est["mxfp8"].weight_bytes > pm.weight_bytes(spec, "fp8-linear")["total"]  # E8M0 per 32 > fp32 per 128²
+
+
+def test_gb200_entry_matches_its_device_name_not_b200s_exact():
+    assert pm.match_hardware("NVIDIA GB200").name == "GB200"
+    assert pm.match_hardware("NVIDIA B200").name == "B200"
+    gb = pm.load_hardware("GB200")
+    # NVL72 rack figures with sparsity / 72 GPUs / 2 (dense): FP4 1,440 PF, FP8 720 PF, BF16 360 PF
+    assert (gb.fp4_dense_flops, gb.fp8_dense_flops, gb.bf16_dense_flops) == (1440e15 / 144, 720e15 / 144,
+                                                                              360e15 / 144)
+
+
+@pytest.mark.parametrize("config,fp4", [("nvfp4-experts", True), ("mxfp4", True), ("mxfp8", False),
+                                        ("fp8-linear", False)])
+def test_fp4_recipes_compute_at_the_fp4_peak_exact(config, fp4):
+    spec = pm.load_model_spec("qwen3-30b-a3b")
+    step = pm.decode_step(spec, pm.load_hardware("GB200"), config, 256, 1536.5)
+    peak = 10.0e15 if fp4 else 5.0e15
+    assert step["compute_time_s"] == step["linear_flops"] / peak + step["attention_flops"] / 2.5e15
+    # hardware without an FP4 peak (Hopper) falls back to the FP8 rate
+    h = pm.decode_step(spec, pm.load_hardware("H200"), config, 256, 1536.5)
+    assert h["compute_time_s"] == h["linear_flops"] / 1978.9e12 + h["attention_flops"] / 989.4e12
