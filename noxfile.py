@@ -127,12 +127,14 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
-    Tier("trl", "test,trl",
-         conformance=(Conformance("trl", ("correction",)), Conformance("hf-fp8", ("checkpoint",))),
+    Tier("trl", "test,trl,torchao",
+         conformance=(Conformance("trl", ("correction",)), Conformance("hf-fp8", ("checkpoint",)),
+                      Conformance("torchao-mx", ("quantization",))),
          pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py",
-                  "tests/engines/trl/test_checkpoint_hf_engine.py"),),
+                  "tests/engines/trl/test_checkpoint_hf_engine.py", "tests/engines/trl/test_torchao_mx_engine.py"),),
          description="TRL 1.16.0's GRPO vLLM importance-sampling correction (GRPOTrainer."
-                     "_generate_and_score_completions driven unbound)"),
+                     "_generate_and_score_completions driven unbound); transformers' FP8 loader (hf-fp8); torchao "
+                     "0.18.0's MX quantizer (torchao-mx)"),
     Tier("areal", "test,areal", no_deps=("areal==1.0.4",),
          conformance=(Conformance("areal", ("correction",)),),
          pytest=((*_ENGINE_TEST, "tests/engines/areal/test_areal_engine.py"),),

@@ -55,7 +55,8 @@ def mx_spread(recipe: str) -> int:
 
 def mx_edge_rows(recipe: str) -> torch.Tensor:
     """Rows of one block each (block 32; NVFP4 pairs of 16-blocks): amaxes on and next to the powers of two where the
-    E8M0 rules differ, ties of the element grid at scale 1, an all-zero block, tiny and huge blocks."""
+    E8M0 rules differ, ties of the element grid at scale 1, an all-zero block, tiny and huge blocks, a block whose
+    E8M0 exponent clamps at 2^-127."""
     p = mx.get_mx_policy(recipe)
     t = mx.ELEMENT_MAX[p.elem]
     one = np.float32(1.0)
@@ -83,4 +84,6 @@ def mx_edge_rows(recipe: str) -> torch.Tensor:
     rows.append(np.zeros(32, dtype=np.float32))
     rows.append(np.linspace(-1, 1, 32, dtype=np.float32) * np.float32(1e-30))
     rows.append(np.linspace(-1, 1, 32, dtype=np.float32) * np.float32(1e30))
+    # a block whose exponent clamps at the bottom of E8M0 (code 0 = 2^-127): amax 2^-125 needs 2^(-125 - emax_elem)
+    rows.append(np.linspace(-1, 1, 32, dtype=np.float32) * np.float32(2.0**-125))
     return torch.from_numpy(np.stack(rows))

@@ -220,11 +220,12 @@ def test_mx_quantize_random_exact(engine, recipe, rng):
 @RECIPES
 @check("MX-EDGE-001", "Edge blocks give the oracle's bytes and scales: amax at T·2^k, one fp32 ulp above it and at "
        "the top of a binade (where floor, ceil and fp32-log2 exponent rules disagree), element-grid ties at scale 1, "
-       "16-element halves 2^10 apart, an all-zero block, 1e-30 and 1e30 blocks.", requires=["mx_quantize.{recipe}"])
+       "16-element halves 2^10 apart, an all-zero block, 1e-30 and 1e30 blocks, a 2^-125 block (its E8M0 exponent "
+       "clamps at 2^-127: the elements must be divided by the stored 2^-127).", requires=["mx_quantize.{recipe}"])
 def test_mx_quantize_edge_exact(engine, recipe):
     rows = mx_edge_rows(recipe)
     # NVFP4's global scale depends on the tensor amax: the tie row (amax T = 6 → g = 448, scale 1) is checked alone
-    compare_mx(engine, rows[-5:-4], recipe, f"mx_quantize[{recipe}] element-grid ties")
+    compare_mx(engine, rows[-6:-5], recipe, f"mx_quantize[{recipe}] element-grid ties")
     for i in range(rows.shape[0]):
         compare_mx(engine, rows[i:i + 1], recipe, f"mx_quantize[{recipe}] edge row {i}")
     compare_mx(engine, rows, recipe, f"mx_quantize[{recipe}] all edge rows together")

@@ -38,6 +38,7 @@ BUILTINS: dict[str, str] = {
     "hf-fp8": "fp8rl.engines.checkpoint_hf:HfFp8Engine",
     "compressed-tensors-mx": "fp8rl.engines.mx_peers:CompressedTensorsMXEngine",
     "vllm-mx": "fp8rl.engines.mx_peers:VllmMXEngine",
+    "torchao-mx": "fp8rl.engines.torchao_mx:TorchaoMXEngine",
 }
 
 
