@@ -26,6 +26,12 @@ rollout run in FP8:
   per tensor and per layer, ``code = RNE_sat(clamp(x / s, ±448))``, and attention reads them dequantized (fp32
   attention math, output rounded to BF16).
 * ``fp8-all``: both, and the query is quantized too (FP8 attention, "storage and attention calculation").
+* ``mxfp8`` and ``nvfp4-experts``: the microscaling rollout recipes (docs/microscaling.md). The weights are the
+  microscaling weight sync's (:mod:`fp8rl.reference.mx_weight_sync`: ``mxfp8`` every projection MXFP8 e4m3 with E8M0
+  scales per 1×32, ``nvfp4-experts`` the routed experts only NVFP4), dequantized exactly; activations are quantized
+  dynamically with the same recipe per token and 1×32 block (NVFP4: 1×16 blocks under a dynamic per-tensor global
+  scale of the GEMM input, :class:`MXActQuant`); fp64 product rounded once to BF16. Everything the sync keeps BF16
+  runs in BF16 (under nvfp4-experts: attention, dense MLPs, a shared expert, router, lm_head); BF16 KV cache.
 
 KV scales (:class:`_KVState`) are calibrated as vLLM's ``calculate_kv_scales`` did (docs/paper-numbers.md §2.3, strategy A;
 ``kv_calibration="first_batch"``): on the first forward after load or after every weight update, per layer,
@@ -65,7 +71,7 @@ from fp8rl.reference.quant import (
 from torch import nn
 
 __all__ = [
-    "KV_CALIBRATIONS", "RECIPES", "FP8Experts", "FP8Linear", "FP8Router", "RolloutOutput", "RolloutRecipe",
+    "KV_CALIBRATIONS", "RECIPES", "FP8Experts", "FP8Linear", "FP8Router", "MXActQuant", "RolloutOutput", "RolloutRecipe",
     "fake_quant", "fake_quant_with_scale", "first_divergence", "get_recipe", "mismatch_metrics", "recipe_with",
     "single_thread",
 ]
@@ -90,6 +96,9 @@ class RolloutRecipe:
     #: FP8 linear granularity: "block" (128×128 synced weights, 1×act_group activations) or "channel" (per-output-
     #: channel weights, per-token activations: PTPC)
     linear: str = "block"
+    #: a microscaling recipe (fp8rl.reference.mx_weight_sync.MX_SYNC_RECIPES: "mxfp8", "nvfp4-experts") instead of
+    #: FP8: its weight sync and its format for the activations
+    mx: str | None = None
 
     def __post_init__(self) -> None:
         if self.linear not in ("block", "channel"):
@@ -98,11 +107,17 @@ class RolloutRecipe:
             raise ValueError(f"kv_calibration: expected one of {sorted(KV_CALIBRATIONS)}, got {self.kv_calibration!r}")
         if self.fp8_q and not self.fp8_kv:
             raise ValueError("fp8_q: FP8 attention needs the FP8 KV cache (fp8_kv=True)")
+        if self.mx is not None:
+            from fp8rl.reference.mx_weight_sync import get_mx_sync_recipe
+
+            get_mx_sync_recipe(self.mx)  # a clear error for an unknown recipe
+            if not self.fp8_linear:
+                raise ValueError(f"mx: the microscaling recipe {self.mx!r} quantizes linear layers (fp8_linear=True)")
 
     @property
     def synced_weights(self) -> bool:
-        """True when the recipe runs on the weight-sync output (128×128 block FP8 weights + scales)."""
-        return self.fp8_linear and self.linear == "block"
+        """True when the recipe runs on the FP8 weight-sync output (128×128 block FP8 weights + scales)."""
+        return self.fp8_linear and self.linear == "block" and self.mx is None
 
     def act_granularity(self) -> Granularity:
         """Granularity of the dynamic activation quantization of the FP8 linear layers."""
@@ -115,6 +130,8 @@ RECIPES: dict[str, RolloutRecipe] = {r.name: r for r in (
     RolloutRecipe("fp8-linear-ptpc", fp8_linear=True, linear="channel"),
     RolloutRecipe("fp8-kv", fp8_kv=True),
     RolloutRecipe("fp8-all", fp8_linear=True, fp8_kv=True, fp8_q=True),
+    RolloutRecipe("mxfp8", fp8_linear=True, mx="mxfp8"),
+    RolloutRecipe("nvfp4-experts", fp8_linear=True, mx="nvfp4-experts"),
 )}
 
 
@@ -226,7 +243,25 @@ class _ActQuant:
         return fake_quant(x2d.float(), self.g, self.policy)
 
 
-def _fp8_matmul(x: torch.Tensor, w64: torch.Tensor, act: _ActQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
+class MXActQuant:
+    """Dynamic microscaling activation quantization → exact fp64 dequantized activations: blocks of the recipe along
+    the last dim of each row (1×32 E8M0; NVFP4 1×16 E4M3 under one fp32 global scale g = 2688/amax of the GEMM
+    input, computed per call), by :func:`fp8rl.reference.microscaling.mx_quantize` under ``policy``."""
+
+    def __init__(self, policy: Any) -> None:
+        from fp8rl.reference import microscaling as mx
+
+        self.policy = mx.get_mx_policy(policy)
+
+    def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
+        from fp8rl.reference import microscaling as mx
+
+        if x2d.numel() == 0:
+            return x2d.to(torch.float64)
+        return mx.dequantize_mx(mx.mx_quantize(x2d.float(), self.policy))
+
+
+def _fp8_matmul(x: torch.Tensor, w64: torch.Tensor, act: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     shp = x.shape
     y = act(x.reshape(-1, shp[-1])) @ w64.t()
     if bias is not None:

@@ -37,6 +37,7 @@ from fp8rl.reference.rollout import (
     FP8Experts,
     FP8Linear,
     FP8Router,
+    MXActQuant,
     RolloutOutput,
     RolloutRecipe,
     _ActQuant,
@@ -226,10 +227,17 @@ class RolloutPolicy:
                  recipe: str | RolloutRecipe = "bf16", *, synced: Mapping[str, torch.Tensor] | None = None,
                  weight_policy: ScalePolicy | str = "reference", act_policy: ScalePolicy | str = "reference",
                  experts_implementation: str | None = "eager", weight_block: tuple[int, int] = (128, 128),
-                 memo: bool = False) -> None:
+                 memo: bool = False, mx_policy: Any = None) -> None:
         self.config = dict(config)
         self.memo = memo
         self.recipe = get_recipe(recipe)
+        self.mx_policy = None
+        if self.recipe.mx is not None:
+            from fp8rl.reference import microscaling as mx
+            from fp8rl.reference.mx_weight_sync import get_mx_sync_recipe
+
+            self.mx_policy = mx.get_mx_policy(mx_policy if mx_policy is not None else
+                                              get_mx_sync_recipe(self.recipe.mx).mx_recipe)
         self.weight_policy = get_policy(weight_policy)
         self.act_policy = get_policy(act_policy)
         self.experts_implementation = experts_implementation
@@ -247,7 +255,8 @@ class RolloutPolicy:
         attn = _ATTN_NAME if r.fp8_kv else "sdpa"
         model = build_hf_model(self.config, attn_implementation=attn,
                                experts_implementation=self.experts_implementation)
-        if r.fp8_linear and not r.synced_weights:
+        qts: Mapping[str, Any]
+        if r.fp8_linear and not r.synced_weights and r.mx is None:
             if synced is not None:
                 raise ValueError(f"synced: recipe {r.name!r} quantizes the BF16 weights per channel itself")
             g = Granularity.channel()
@@ -255,6 +264,8 @@ class RolloutPolicy:
             qts = {n: quantize(state_dict[n].detach().to("cpu", torch.bfloat16), g, self.weight_policy)
                    for n in state_dict if n in names}
             plain = {k: v for k, v in state_dict.items() if k not in names}
+        elif r.mx is not None:
+            qts, plain = self._mx_weights(state_dict, synced)
         elif r.fp8_linear:
             if synced is None:
                 synced = ws.quantize_state_dict(state_dict, ws.WeightSyncRecipe(block=self.weight_block,
@@ -265,7 +276,8 @@ class RolloutPolicy:
         else:
             qts, plain = {}, dict(state_dict)
         self._fingerprint = (type(self).__module__, type(self).__qualname__, r, self.weight_block, self.act_policy, self.experts_implementation,
-                             self.weight_policy, _digest(synced if r.synced_weights else state_dict),
+                             self.weight_policy, self.mx_policy,
+                             _digest(synced if r.synced_weights or (r.mx and synced is not None) else state_dict),
                              _digest(self.config))
         params = to_model_state_dict(plain)
         missing, unexpected = model.load_state_dict(params, strict=False)
@@ -281,13 +293,44 @@ class RolloutPolicy:
                     setattr(mod, "_fp8rl_kv", self.kv)  # noqa: B010 - read by _fp8_attention
         self.model = model
 
+    def _mx_weights(self, state_dict: Mapping[str, torch.Tensor], synced: Mapping[str, torch.Tensor] | None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The microscaling recipe's weights: (checkpoint weight name → exact fp64 dequantized weight, the BF16 rest),
+        from ``synced`` (an engine's mx_weight_sync output) or the oracle's sync of ``state_dict``."""
+        from fp8rl.reference import microscaling as mx
+        from fp8rl.reference import mx_weight_sync as mxws
+
+        policy = self.mx_policy
+        if self.recipe.mx is None or policy is None:  # pragma: no cover - _load calls this for mx recipes only
+            raise ValueError(f"recipe {self.recipe.name!r} is not a microscaling recipe")
+        rec = mxws.get_mx_sync_recipe(self.recipe.mx)
+        if synced is None:
+            synced = mxws.mx_sync_state_dict(state_dict, rec, policy)
+        w64s: dict[str, torch.Tensor] = {}
+        used: set[str] = set()
+        for name in mxws.mx_quantized_names(state_dict, rec):
+            parts = mxws.mx_synced_names(name, rec)
+            missing = [p for p in parts if p not in synced]
+            if missing:
+                raise ValueError(f"synced: {name} is quantized by {rec.name} but {missing} are missing")
+            data = synced[parts[0]].contiguous().view(torch.uint8)
+            scales = synced[parts[1]].contiguous().view(torch.uint8)
+            g = synced[parts[2]].reshape(()).float() if policy.two_level else None
+            q = mx.MXTensor(data, scales, g, tuple(state_dict[name].shape), policy)
+            w64s[name] = mx.dequantize_mx(q)
+            used.update(parts)
+        plain = {k: v for k, v in synced.items() if k not in used}
+        return w64s, plain
+
     def _install_fp8(self, model: nn.Module, qts: Mapping[str, Any]) -> set[str]:
-        """Swap every module whose weight is FP8 in the synced dict; returns the model param names it covers."""
-        act = _ActQuant(self.act_policy, self.recipe.act_granularity())
+        """Swap every module whose weight is quantized (FP8 QuantizedTensors, or the exact fp64 weights of a
+        microscaling recipe); returns the model param names it covers."""
+        act: Any = MXActQuant(self.mx_policy) if self.recipe.mx is not None else \
+            _ActQuant(self.act_policy, self.recipe.act_granularity())
         covered: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for name, qt in qts.items():
-            w64 = qt.dequantize(torch.float64)
+            w64 = qt if isinstance(qt, torch.Tensor) else qt.dequantize(torch.float64)
             m = _EXPERT_RE.match(name)
             if m is not None:
                 experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})[m["proj"]] = w64

@@ -933,7 +933,9 @@ E2E_MISMATCH = _register(
     "max × 1.5 (max_abs_dlogp), and the floor min × 0.5 (first_div_mean), over the measured distribution of the "
     f"reference FP8 emulation in fp8rl/{E2E_BUDGETS_FILE}. Recipes: bf16 (incremental BF16 decoding vs the "
     "teacher-forced trainer), fp8-linear (W8A8 128x128/1x128), fp8-linear-ptpc (W8A8 per-channel weights / "
-    "per-token activations, vLLM fp8_per_channel), fp8-kv (FP8 KV storage), fp8-all (both + FP8 query). Method "
+    "per-token activations, vLLM fp8_per_channel), fp8-kv (FP8 KV storage), fp8-all (both + FP8 query), mxfp8 "
+    "(every projection MXFP8 e4m3 + E8M0 per 1x32, activations likewise) and nvfp4-experts (the routed experts "
+    "NVFP4, activations NVFP4 with a per-input global scale; the rest BF16), docs/microscaling.md. Method "
     "(from the data file): " + E2E_BUDGETS["method"] + " Calibrations: "
     + "; ".join(_calibration_line(c) for c in E2E_BUDGETS["calibrations"]) + ".",
 )
@@ -949,7 +951,8 @@ for (_model, _recipe), _stats in E2E_MEASURED.items():
                   f"{_calibration_line(_cal)}), margin {E2E_MARGINS[_metric]} (see 'e2e_mismatch'; data: "
                   f"fp8rl/{E2E_BUDGETS_FILE}). False-alarm rate for an engine with the reference emulation's "
                   f"distribution: at most 1/(n + 1) = {1 / (_n + 1):.2%} per run (distribution-free; the margin "
-                  "only lowers it); measured 0 false alarms in the 20-seed sweep of the reference engine.")
+                  "only lowers it); measured 0 false alarms in the 20-seed sweep of the reference engine "
+                  "(fp8rl conformance --engine reference --area e2e --seeds 0..19).")
 
 
 ROLLOUT_LOGPROB_SLACK = _register(

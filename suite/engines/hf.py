@@ -54,6 +54,8 @@ class HFEngine(Engine):
             "rollout.fp8-linear-ptpc": _FP8_REASON.format(what="W8A8 per-channel/per-token linear"),
             "rollout.fp8-kv": _FP8_REASON.format(what="KV-cache"),
             "rollout.fp8-all": _FP8_REASON.format(what="linear/KV-cache/attention"),
+            "rollout.mxfp8": _FP8_REASON.format(what="MXFP8 linear"),
+            "rollout.nvfp4-experts": _FP8_REASON.format(what="NVFP4 expert"),
         }
 
     # -- model loading ---------------------------------------------------------------------------------------

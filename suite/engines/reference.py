@@ -270,6 +270,11 @@ class ReferenceEngine(Engine):
 
         RolloutPolicy = self._rollout_policy_class()
         r = get_recipe(recipe)
+        if r.mx is not None:  # microscaling: this engine's mx weight sync and declared mx_policy
+            from fp8rl.reference.mx_weight_sync import get_mx_sync_recipe
+
+            return RolloutPolicy(config, state_dict, r, synced=self.mx_weight_sync(state_dict, r.mx),
+                                 mx_policy=self.mx_policy(get_mx_sync_recipe(r.mx).mx_recipe), memo=True)
         synced = self.weight_sync(state_dict) if r.synced_weights else None
         if r.fp8_linear and not r.synced_weights:  # PTPC: per-channel weights, per-token activations
             return RolloutPolicy(config, state_dict, r, weight_policy=self.scale_policy("channel"),
@@ -285,7 +290,10 @@ class ReferenceEngine(Engine):
         return handle.generate_with_logits(prompts, max_new_tokens, greedy=greedy, seed=seed)
 
     def update_weights(self, handle, state_dict):
-        synced = self.weight_sync(state_dict) if handle.recipe.synced_weights else None
+        if handle.recipe.mx is not None:
+            synced = self.mx_weight_sync(state_dict, handle.recipe.mx)
+        else:
+            synced = self.weight_sync(state_dict) if handle.recipe.synced_weights else None
         handle.update_weights(state_dict, synced=synced)
         return handle
 

@@ -167,7 +167,7 @@ class VllmTritonEngine(Engine):
         keys += [f"gemm.{k}" for k in GEMM_KINDS]
         keys += ["kv.store", "kv.attention", "kv.calibrate", "kv.forward", "kv.update_scales", "weight_sync", "rollout",
                  "update_weights", "rollout.bf16", "rollout.fp8-linear", "rollout.fp8-linear-ptpc", "rollout.fp8-kv",
-                 "rollout.fp8-all"]
+                 "rollout.fp8-all", "rollout.mxfp8", "rollout.nvfp4-experts"]
         if self._reason:
             return dict.fromkeys(keys, self._reason)
         scope = ("vllm-triton drives only vLLM's Triton FP8 kernels (per_token_group_quant_fp8, "

@@ -149,8 +149,11 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(tmp_path):
     rep = _report(tmp_path / "report.json")
     from fp8rl.conformance import _e2e as E
 
-    # weight_sync: 5 checks x 4 fixtures; e2e: 6 checks per (model, recipe) case (14) + the GoF check per model
-    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 5 * 4 + 6 * 14 + 4
+    # weight_sync: 5 checks x 4 fixtures + 3 microscaling checks x 4 fixtures x 2 recipes; e2e: 6 checks per (model,
+    # recipe) case (16: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each
+    # variant) + the GoF check per model
+    assert len(E.CASES) == 16
+    assert rep["summary"]["verdict"] == "conformant" and rep["summary"]["total"] == 5 * 4 + 3 * 4 * 2 + 6 * 16 + 4
     assert {c["area"] for c in rep["checks"]} == {"weight_sync", "e2e"}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]

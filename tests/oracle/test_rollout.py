@@ -233,7 +233,7 @@ def test_first_divergence():
 
 
 def test_recipes_and_errors(dense):
-    assert set(R.RECIPES) == {"bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all"}
+    assert set(R.RECIPES) == {"bf16", "fp8-linear", "fp8-linear-ptpc", "fp8-kv", "fp8-all", "mxfp8", "nvfp4-experts"}
     with pytest.raises(ValueError, match="linear"):
         R.RolloutRecipe("x", fp8_linear=True, linear="row")
     with pytest.raises(ValueError, match="per channel"):
@@ -346,3 +346,45 @@ def test_fp8_linear_adds_the_bias_before_the_one_bf16_rounding():
     got = R.FP8Linear(qt.dequantize(torch.float64), act, bias)(x)
     want = (act(x) @ qt.dequantize(torch.float64).t() + bias.double()).to(torch.bfloat16)
     assert torch.equal(got, want)
+
+
+# ---- microscaling recipes (mxfp8, nvfp4-experts) --------------------------------------------------------------------
+
+def test_mx_recipe_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"recipe: expected one of \['mxfp8', 'nvfp4-experts'\], got 'fp4'"):
+        R.RolloutRecipe("x", fp8_linear=True, mx="fp4")
+    with pytest.raises(ValueError, match="mx: the microscaling recipe 'mxfp8' quantizes linear layers"):
+        R.RolloutRecipe("x", mx="mxfp8")
+    assert not R.RECIPES["mxfp8"].synced_weights and R.RECIPES["mxfp8"].fp8_linear
+
+
+def test_mxfp8_runs_the_decoded_mx_weights_and_mx_activations_exact(dense):
+    from fp8rl.reference import microscaling as mx
+    from fp8rl.reference import mx_weight_sync as mxws
+
+    pol = H.RolloutPolicy(dense.config, dense.state_dict, "mxfp8")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    lin = pol.model.get_submodule(name[: -len(".weight")])
+    assert isinstance(lin, R.FP8Linear) and isinstance(lin.act, R.MXActQuant)
+    p = mx.get_mx_policy("mxfp8_e4m3")
+    want = mx.dequantize_mx(mx.mx_quantize(dense.state_dict[name].float(), p))
+    assert torch.equal(lin.w64, want)
+    # the weights come from the sync's bytes: a synced dict decodes to the same weights
+    synced = mxws.mx_sync_state_dict(dense.state_dict, "mxfp8")
+    assert torch.equal(H.RolloutPolicy(dense.config, dense.state_dict, "mxfp8", synced=synced).model
+                       .get_submodule(name[: -len(".weight")]).w64, want)
+    x = torch.randn(3, want.shape[1])
+    assert torch.equal(lin.act(x), mx.dequantize_mx(mx.mx_quantize(x, p)))
+
+
+def test_nvfp4_experts_quantizes_the_routed_experts_only_exact(moe):
+    from fp8rl.reference import mx_weight_sync as mxws
+
+    pol = H.RolloutPolicy(moe.config, moe.state_dict, "nvfp4-experts")
+    kinds = {type(m).__name__ for m in pol.model.modules()}
+    assert "FP8Experts" in kinds and "FP8Linear" not in kinds and "FP8Router" not in kinds
+    synced = mxws.mx_sync_state_dict(moe.state_dict, "nvfp4-experts")
+    broken = {k: v for k, v in synced.items() if not k.endswith(".weight_global_scale")}
+    with pytest.raises(ValueError, match=r"synced: .*experts\.0\.\w+_proj\.weight is quantized by nvfp4-experts "
+                                         r"but \[.*weight_global_scale'\] are missing"):
+        H.RolloutPolicy(moe.config, moe.state_dict, "nvfp4-experts", synced=broken)

@@ -23,7 +23,8 @@ from ._common import _vllm_version, vllm_reason
 
 #: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
 CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
-                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.logits",
+                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.mxfp8",
+                             "rollout.nvfp4-experts", "rollout.logits",
                              "checkpoint.load", "checkpoint.write", "checkpoint.attention_scales")
 
 
@@ -48,6 +49,11 @@ class VllmLLMMixin:
                                       "runs on AVX-512")
         caps["rollout.fp8-all"] = (f"vllm {v} on CPU: no FP8 query / FP8 attention (CPU_ATTN folds k_scale into the "
                                    "softmax scale, Q stays BF16) and no block-FP8 linear without AMX")
+        caps["rollout.mxfp8"] = (f"vllm {v} on CPU: its MXFP8 linear methods need compute capability 10.0 "
+                                 "(CUTLASS/FlashInfer/Marlin kernels); the CPU build has no MXFP8 GEMM (engine vllm-mx "
+                                 "checks its CPU quantizer)")
+        caps["rollout.nvfp4-experts"] = (f"vllm {v} on CPU: its NVFP4 MoE methods are CUDA kernels (CUTLASS, "
+                                         "FlashInfer, Marlin); the CPU build has no NVFP4 fused-MoE path")
         caps["checkpoint.load"] = (f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start "
                                    "without AMX (measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support "
                                    "(Sapphire Rapids or newer)'), so the adapter has no checkpoint_load (docs/checkpoint.md)")
