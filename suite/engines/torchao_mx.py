@@ -39,11 +39,14 @@ class TorchaoMXEngine(Engine):
         self._version = ""
         self._reason = import_failure("torchao.prototype.mx_formats.mx_tensor", _HINT)
         if self._reason is None:
-            import torchao
-            from torchao.prototype.mx_formats.config import ScaleCalculationMode
-            from torchao.prototype.mx_formats.mx_tensor import to_mx
-
-            self._to_mx, self._mode, self._version = to_mx, ScaleCalculationMode.FLOOR, torchao.__version__
+            try:
+                import torchao
+                from torchao.prototype.mx_formats.config import ScaleCalculationMode
+                from torchao.prototype.mx_formats.mx_tensor import to_mx
+            except Exception as exc:  # noqa: BLE001 - any import failure makes the engine unavailable
+                self._reason = f"torchao does not import ({type(exc).__name__}: {exc}); {_HINT}"
+            else:
+                self._to_mx, self._mode, self._version = to_mx, ScaleCalculationMode.FLOOR, torchao.__version__
 
     def version(self) -> str:
         return f"torchao {self._version}" if self._to_mx else "torchao not installed"

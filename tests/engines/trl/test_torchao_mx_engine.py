@@ -22,7 +22,8 @@ needs_torchao = pytest.mark.skipif(installed_version("torchao") is None, reason=
 def test_without_torchao_every_capability_says_why(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "torchao", None)
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)
     caps = TorchaoMXEngine().capabilities()
     assert caps and all(isinstance(v, str) and "torchao" in v for v in caps.values()), caps
 
