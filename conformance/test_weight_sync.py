@@ -147,43 +147,6 @@ def test_weight_sync_dequant_bound(engine, model):
         assert_within_bound(qt.dequantize(torch.float64), x, bound, context=f"{model}: {name} ({g.label})")
 
 
-@MODELS
-@check("WSYNC-MASTER-001", "The trainer's fp32 master weights sync exactly like their BF16 cast: weight_sync of the "
-       "fp32 state dict equals weight_sync of its round-to-nearest-even BF16 cast bit for bit (names, dtypes, "
-       "shapes, FP8 codes, scales and the BF16 tensors kept as they are), so the rollout runs the policy the "
-       "trainer's BF16 forward computes.", requires=["weight_sync"])
-def test_weight_sync_fp32_master_exact(engine, model):
-    master = fixtures.master_state_dict(model)
-    got = engine.weight_sync({k: v.clone() for k, v in master.items()})
-    want = engine.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    assert not missing and not extra, f"{model}: fp32 sync names differ from the BF16 cast's: missing " \
-        f"{missing[:6]}, unexpected {extra[:6]}"
-    bad = []
-    for name, w in want.items():
-        g = got[name]
-        if g.dtype != w.dtype or g.shape != w.shape:
-            bad.append(f"{name}: {g.dtype} {tuple(g.shape)}, the BF16 cast's sync gives {w.dtype} {tuple(w.shape)}")
-            continue
-        gb, wb = g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
-        if not torch.equal(gb, wb):
-            n = int((gb.reshape(w.numel(), -1) != wb.reshape(w.numel(), -1)).any(-1).sum()) if w.numel() else 0
-            bad.append(f"{name}: {n}/{w.numel()} elements differ")
-    assert not bad, f"{model}: {len(bad)} tensors of the fp32 master sync differ from the BF16 cast's: " + \
-        "; ".join(bad[:6])
-
-
-# ---- microscaling recipes: mxfp8 (every projection) and nvfp4-experts (routed experts only) -------------------------
-# (fp8rl.reference.mx_weight_sync, docs/microscaling.md "Weight sync")
-
-MX_SYNC = pytest.mark.parametrize("recipe", list(mxws.MX_SYNC_RECIPES))
-
-
-@functools.lru_cache(maxsize=16)
-def _mx_oracle_sync(model: str, recipe: str, policy: mx.MXPolicy) -> dict[str, torch.Tensor]:
-    return mxws.mx_sync_state_dict(fixtures.tiny_model(model).state_dict, recipe, policy)
-
-
 def _diff_synced(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     """Per tensor of ``want``: dtype, shape, then bytes (the first differing element's codes)."""
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -203,6 +166,31 @@ def _diff_synced(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
             bad.append(f"{name}: {int(diff.sum())}/{w.numel()} elements differ, first at flat index {i}: "
                        f"bytes {gb[i].tolist()} vs {wb[i].tolist()}")
     return bad
+
+
+@MODELS
+@check("WSYNC-MASTER-001", "The trainer's fp32 master weights sync exactly like their BF16 cast: weight_sync of the "
+       "fp32 state dict equals weight_sync of its round-to-nearest-even BF16 cast bit for bit (names, dtypes, "
+       "shapes, FP8 codes, scales and the BF16 tensors kept as they are), so the rollout runs the policy the "
+       "trainer's BF16 forward computes.", requires=["weight_sync"])
+def test_weight_sync_fp32_master_exact(engine, model):
+    master = fixtures.master_state_dict(model)
+    got = engine.weight_sync({k: v.clone() for k, v in master.items()})
+    want = engine.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
+    bad = _diff_synced(got, want)
+    assert not bad, f"{model}: {len(bad)} tensors of the fp32 master sync differ from the BF16 cast's: " + \
+        "; ".join(bad[:6])
+
+
+# ---- microscaling recipes: mxfp8 (every projection) and nvfp4-experts (routed experts only) -------------------------
+# (fp8rl.reference.mx_weight_sync, docs/microscaling.md "Weight sync")
+
+MX_SYNC = pytest.mark.parametrize("recipe", list(mxws.MX_SYNC_RECIPES))
+
+
+@functools.lru_cache(maxsize=16)
+def _mx_oracle_sync(model: str, recipe: str, policy: mx.MXPolicy) -> dict[str, torch.Tensor]:
+    return mxws.mx_sync_state_dict(fixtures.tiny_model(model).state_dict, recipe, policy)
 
 
 @MODELS

@@ -318,23 +318,21 @@ class GuardedEngine:
         return out
 
     # -- areas weight_sync and e2e ---------------------------------------------------------------------------------
-    def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
-        out = self._call("weight_sync", state_dict)
+    def _synced_dict(self, op: str, *args: Any) -> dict[str, torch.Tensor]:
+        """A weight-sync op's output, validated: a dict of str → Tensor."""
+        out = self._call(op, *args)
         if not isinstance(out, dict):
-            raise EngineError(f"{self.name}.weight_sync returned {type(out).__name__}, expected a dict")
+            raise EngineError(f"{self.name}.{op} returned {type(out).__name__}, expected a dict")
         bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad:
-            raise EngineError(f"{self.name}.weight_sync: entries that are not str → Tensor: {bad[:3]}")
+            raise EngineError(f"{self.name}.{op}: entries that are not str → Tensor: {bad[:3]}")
         return out
 
+    def weight_sync(self, state_dict: Any) -> dict[str, torch.Tensor]:
+        return self._synced_dict("weight_sync", state_dict)
+
     def mx_weight_sync(self, state_dict: Any, recipe: str) -> dict[str, torch.Tensor]:
-        out = self._call("mx_weight_sync", state_dict, recipe)
-        if not isinstance(out, dict):
-            raise EngineError(f"{self.name}.mx_weight_sync returned {type(out).__name__}, expected a dict")
-        bad = [k for k, v in out.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-        if bad:
-            raise EngineError(f"{self.name}.mx_weight_sync: entries that are not str → Tensor: {bad[:3]}")
-        return out
+        return self._synced_dict("mx_weight_sync", state_dict, recipe)
 
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         handle = self._call("rollout_init", config, state_dict, recipe)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fp8rl import capabilities
 from fp8rl.capabilities import MX_RECIPES, MX_SYNC_RECIPES
 from fp8rl.engine import CapabilityMap, Engine, Unsupported
 from fp8rl.reference import microscaling as mx
@@ -33,11 +34,6 @@ from fp8rl.reference import mx_weight_sync as mxws
 CT_VERSION = "0.17.0"
 VLLM_VERSION = "0.32.0"
 _HINT = "needs the conformance_vllm environment (nox -s conformance_vllm --install-only)"
-
-
-def _mx_keys() -> list[str]:
-    return [f"mx_quantize.{r}" for r in MX_RECIPES] + [f"mx_gemm.{r}" for r in MX_RECIPES] + \
-        ["mx_quantize.nondivisible"] + [f"mx_weight_sync.{r}" for r in MX_SYNC_RECIPES]
 
 
 def _codes_from_fp4_values(v: torch.Tensor) -> torch.Tensor:
@@ -89,7 +85,7 @@ class CompressedTensorsMXEngine(Engine):
 
     def capabilities(self) -> CapabilityMap:
         if self._ct is None:
-            return dict.fromkeys(_mx_keys(), self._reason or _HINT)
+            return dict.fromkeys(capabilities.keys(prefix="mx_"), self._reason or _HINT)
         caps: CapabilityMap = {f"mx_gemm.{r}": "compressed-tensors has no microscaled GEMM (it fake-quantizes; "
                                                 "the GEMMs are vLLM's CUDA kernels)" for r in MX_RECIPES}
         for r in MX_RECIPES:
@@ -198,7 +194,7 @@ class VllmMXEngine(Engine):
 
     def capabilities(self) -> CapabilityMap:
         if self._v is None:
-            return dict.fromkeys(_mx_keys(), self._reason or _HINT)
+            return dict.fromkeys(capabilities.keys(prefix="mx_"), self._reason or _HINT)
         caps: CapabilityMap = {}
         for r in MX_RECIPES:
             ok = r in self.POLICIES

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fp8rl import capabilities
 from fp8rl.capabilities import MX_RECIPES, MX_SYNC_RECIPES
 from fp8rl.engine import CapabilityMap, Engine, Unsupported, import_failure
 from fp8rl.reference import microscaling as mx
@@ -52,10 +53,8 @@ class TorchaoMXEngine(Engine):
         return f"torchao {self._version}" if self._to_mx else "torchao not installed"
 
     def capabilities(self) -> CapabilityMap:
-        keys = [f"mx_quantize.{r}" for r in MX_RECIPES] + [f"mx_gemm.{r}" for r in MX_RECIPES] + \
-            ["mx_quantize.nondivisible"] + [f"mx_weight_sync.{r}" for r in MX_SYNC_RECIPES]
         if self._to_mx is None:
-            return dict.fromkeys(keys, self._reason or _HINT)
+            return dict.fromkeys(capabilities.keys(prefix="mx_"), self._reason or _HINT)
         caps: CapabilityMap = {}
         for r in MX_RECIPES:
             caps[f"mx_quantize.{r}"] = True if r in self.POLICIES else (
