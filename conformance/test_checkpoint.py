@@ -25,7 +25,9 @@ from fp8rl import fixtures
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, check, record_metrics
 from fp8rl.engine import EngineError
 from fp8rl.reference import checkpoint as ck
+from fp8rl.reference import checkpoint_ct as cct
 from fp8rl.reference import weight_sync as ws
+from fp8rl.reference.formats import decode_codes
 from fp8rl.reference.policy import ScalePolicy
 
 #: the models whose checkpoints every writer and loader is judged on (tiny-qwen3: hidden 320, intermediate 384)
@@ -81,6 +83,11 @@ def _compare_written(path: Path, sd: dict[str, torch.Tensor], policy: ScalePolic
     """Codes and scales of the file vs the oracle's quantization of sd's BF16 cast (bit for bit); names, dtypes
     and the BF16 tensors kept as they are. Returns the number of quantized weights compared."""
     config, got = ck.read_checkpoint(path)
+    if cct.is_compressed_tensors(config):  # a compressed-tensors writer: its validated block-strategy file in the
+        try:  # blockwise form (weight_scale → weight_scale_inv, fp32: exact), docs/compressed-tensors.md
+            config, got = cct.to_blockwise(config, got)
+        except ck.CheckpointError as exc:
+            raise AssertionError(f"{context}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
     want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=policy))
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     assert not missing and not extra, f"{context}: tensor names differ from the oracle's: missing {missing[:6]}, " \
@@ -132,11 +139,53 @@ def test_checkpoint_writer_classes_exact(engine, cls, precision, tmp_path):
     _compare_written(path, sd, engine.scale_policy("block"), f"class {cls} ({precision})")
 
 
+#: the input classes whose blocks a careless scale rule breaks (a zero amax: 0/0; extreme amaxes)
+FINITE_CLASSES = ("zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_amax")
+
+
+@pytest.mark.parametrize("cls", FINITE_CLASSES)
+@check("CKPT-WRITE-003", "Whatever the declared policy, a writer's checkpoint of finite BF16 weights is a file "
+       "every loader can use: each block scale is finite and > 0 and no FP8 code is NaN or inf (all-zero rows, "
+       "columns and 128x128 blocks, tiny and huge amax). A policy without a floor passes CKPT-WRITE-002 bit-exactly "
+       "with scale 0 and 0/0 = NaN codes for an all-zero block; any loader then multiplies NaN into the weights.",
+       requires=["checkpoint.write"])
+def test_checkpoint_writer_finite_exact(engine, cls, tmp_path):
+    sd = _class_state_dict(cls, torch.bfloat16)
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    config, tensors = ck.read_checkpoint(Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd)))
+    if cct.is_compressed_tensors(config):
+        try:
+            config, tensors = cct.to_blockwise(config, tensors)
+        except ck.CheckpointError as exc:
+            raise AssertionError(f"class {cls}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
+    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+    bad, checked = [], 0
+    for name, scale in sorted(tensors.items()):
+        if not name.endswith(ws.SCALE_SUFFIX):
+            continue
+        w = tensors[name[: -len(ws.SCALE_SUFFIX)]]
+        s = scale.double()
+        if not (torch.isfinite(s) & (s > 0)).all():
+            bad.append(f"{name}: {int((~(torch.isfinite(s) & (s > 0))).sum())} of {s.numel()} block scales are "
+                       f"not finite and > 0 (e.g. {s[~(torch.isfinite(s) & (s > 0))].flatten()[0].item()!r})")
+        if w.dtype in fmts:
+            vals = decode_codes(w.contiguous().view(torch.uint8), fmts[w.dtype])
+            nonfinite = int((~np.isfinite(vals)).sum())
+            if nonfinite:
+                bad.append(f"{name}: {nonfinite} of {vals.size} FP8 codes are NaN or inf")
+            checked += 1
+    assert checked, f"class {cls}: the file holds no FP8 weight with a block scale"
+    assert not bad, f"class {cls} (BF16 weights, all finite): " + "; ".join(bad)
+
+
 @MODELS
 @check("CKPT-CONFIG-001", "The written config.json keeps the model config and carries quantization_config with "
        "quant_method 'fp8', fmt of the declared policy's format ('e4m3' for e4m3fn), activation_scheme 'dynamic', "
        "weight_block_size [128, 128], and ignored_layers and modules_to_not_convert each listing exactly the 2-D "
-       "linear modules kept in BF16 (the MoE routers).", requires=["checkpoint.write"])
+       "linear modules kept in BF16 (the MoE routers); a compressed-tensors writer's: quant_method "
+       "'compressed-tensors', format 'float-quantized', one config group targeting Linear with FP8 float "
+       "symmetric static block [128, 128] weights, and ignore listing exactly the routers and lm_head.",
+       requires=["checkpoint.write"])
 def test_checkpoint_writer_config_exact(engine, model, tmp_path):
     tm = fixtures.tiny_model(model)
     path = Path(engine.checkpoint_write(tmp_path / "ckpt", tm.config, tm.state_dict))
@@ -149,6 +198,9 @@ def test_checkpoint_writer_config_exact(engine, model, tmp_path):
     fmt = {"e4m3fn": "e4m3", "e5m2": "e5m2"}.get(engine.scale_policy("block").fmt)
     routers = sorted(n[: -len(".weight")] for n in tm.state_dict if n.endswith((".mlp.gate.weight",
                                                                                  ".mlp.shared_expert_gate.weight")))
+    if cct.is_compressed_tensors(config):
+        _check_ct_config(config, routers + (["lm_head"] if "lm_head.weight" in tm.state_dict else []), model)
+        return
     want = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "ignored_layers": routers, "modules_to_not_convert": routers}
     bad = []
@@ -158,6 +210,28 @@ def test_checkpoint_writer_config_exact(engine, model, tmp_path):
             got = sorted(got) if isinstance(got, list) else got
         if got != value:
             bad.append(f"{key}: {got!r}, expected {value!r}")
+    assert not bad, f"{model}: quantization_config: " + "; ".join(bad)
+
+
+def _check_ct_config(config: dict, ignore: list[str], model: str) -> None:
+    """CKPT-CONFIG-001 for a compressed-tensors file: the fields of cct.quantization_config (one group, its
+    targets, the FP8 block weight args, format) and ignore (as a set); the file validates (cct.weight_scheme)."""
+    try:
+        cct.weight_scheme(config)
+    except ck.CheckpointError as exc:
+        raise AssertionError(f"{model}: {exc}") from exc
+    qc = config["quantization_config"]
+    want = cct.quantization_config(cct.CTWeightScheme("block", block=(128, 128)), sorted(ignore))
+    bad = [f"{k}: {qc.get(k)!r}, expected {want[k]!r}" for k in ("quant_method", "format") if qc.get(k) != want[k]]
+    (gname, group), = qc["config_groups"].items()
+    wg = want["config_groups"]["group_0"]
+    if group.get("targets") != wg["targets"]:
+        bad.append(f"config_groups.{gname}.targets: {group.get('targets')!r}, expected {wg['targets']!r}")
+    for k, v in wg["weights"].items():
+        if group["weights"].get(k) != v:
+            bad.append(f"config_groups.{gname}.weights.{k}: {group['weights'].get(k)!r}, expected {v!r}")
+    if sorted(qc.get("ignore") or []) != want["ignore"]:
+        bad.append(f"ignore: {qc.get('ignore')!r}, expected {want['ignore']!r}")
     assert not bad, f"{model}: quantization_config: " + "; ".join(bad)
 
 
@@ -178,12 +252,33 @@ def _scratch() -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = ()) -> Path:
+def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = (),
+                       fmt: str = "fp8") -> Path:
+    """The oracle's checkpoint of ``model``: blockwise FP8 (``fmt="fp8"``) or the same codes and scales in the
+    compressed-tensors block-strategy form (``fmt="compressed-tensors"``, fp8rl.reference.checkpoint_ct)."""
     import tempfile
 
     tm = fixtures.tiny_model(model)
     root = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=_scratch()))
-    return ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
+    path = ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
+    if fmt == "compressed-tensors":
+        config, tensors = cct.from_blockwise(*ck.read_checkpoint(path))
+        path = ck.write_tensors(root, config, tensors, config["quantization_config"])
+    return path
+
+
+#: the formats a loader is fed (case ids: the model for blockwise FP8, "<quant_method>:<model>" for the others)
+LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
+    [pytest.param("compressed-tensors", m, id=f"compressed-tensors:{m}") for m in CKPT_MODELS]
+
+
+def _loads_format(engine, fmt: str) -> None:
+    """Skip (with the loader's reason) a file format the loader does not declare in ``checkpoint_formats``."""
+    formats = tuple(getattr(engine, "checkpoint_formats", ("fp8",)))
+    if fmt not in formats:
+        note = dict(getattr(engine, "checkpoint_format_notes", {}) or {}).get(fmt)
+        pytest.skip(f"{engine.name} loads quant_method {' / '.join(formats)} checkpoints, not {fmt!r}"
+                    + (f" ({note})" if note else ""))
 
 
 def _compare_loaded(held: dict, path: Path, context: str) -> None:
@@ -191,6 +286,8 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
     if not isinstance(held, dict):
         raise AssertionError(f"{context}: checkpoint_load returned {type(held).__name__}, expected a dict")
     config, tensors = ck.read_checkpoint(path)
+    if cct.is_compressed_tensors(config):
+        config, tensors = cct.to_blockwise(config, tensors)
     want64 = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
     missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
     assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
@@ -223,13 +320,16 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
     assert not bad, f"{context}: {len(bad)} tensors differ from codes x scales of the file: " + "; ".join(bad[:6])
 
 
-@MODELS
+@pytest.mark.parametrize("fmt, model", LOAD_CASES)
 @check("CKPT-LOAD-001", "A loader loading the oracle's 128x128 checkpoint of a tiny model holds every quantized "
        "weight equal to codes x block scales of the file (computed exactly, rounded once to the dtype it holds) "
-       "and every other tensor as stored, under the checkpoint's names.", requires=["checkpoint.load"])
-def test_checkpoint_loader_exact(engine, model):
-    path = _oracle_checkpoint(model)
-    _compare_loaded(engine.checkpoint_load(path), path, model)
+       "and every other tensor as stored, under the checkpoint's names; the same codes and scales in the "
+       "compressed-tensors block-strategy form for a loader that declares that format.",
+       requires=["checkpoint.load"])
+def test_checkpoint_loader_exact(engine, fmt, model):
+    _loads_format(engine, fmt)
+    path = _oracle_checkpoint(model, fmt=fmt)
+    _compare_loaded(engine.checkpoint_load(path), path, model if fmt == "fp8" else f"{fmt}:{model}")
 
 
 @pytest.mark.parametrize("block", [(64, 128), (128, 64)], ids=["64x128", "128x64"])

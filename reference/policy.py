@@ -13,7 +13,8 @@ Each mode tuple lists the accepted values of one field (the fields' meanings are
 * :data:`SCALE_OPS`: s = fl(amax'/T), fl(amax'·fl(1/T)) or fl(1/m) with m = fl(T/amax');
 * :data:`QUANT_OPS`: q = fl(x/s), fl(x·fl(1/s)) or fl(x·m);
 * :data:`ZERO_AMAX_MODES`: what a zero (or non-finite) amax gives: the floor rule, s = 1 for some degenerate amaxes,
-  or NaN (unguarded 0/0);
+  NaN (unguarded 0/0), or — for a scale that comes out exactly 0 — s = finfo(D).eps of the dtype D the scale is
+  computed in ("scale_dtype_eps": 2^-7 for bf16, 2^-10 for fp16, 2^-23 for fp32; compressed-tensors);
 * :data:`COMPUTE_DTYPES`: the dtype of the scale and quotient arithmetic: fp32, or the input's own dtype;
 * :data:`MULTIPLIER_OPS`: m = fl(T/amax') or fl(fl(1/amax')·T) (torch's ``T / t``);
 * :data:`MULTIPLIER_OVERFLOWS`: what replaces a multiplier that overflows: FLT_MAX, the input dtype's max finite, or
@@ -38,8 +39,8 @@ FLOOR_MODES: tuple[str, ...] = ("none", "amax", "scale")
 POW2_MODES: tuple[str, ...] = ("none", "ceil_log2", "ceil_bits", "floor_multiplier")
 SCALE_OPS: tuple[str, ...] = ("div", "mul_recip_max", "recip_multiplier")
 QUANT_OPS: tuple[str, ...] = ("div", "mul_recip", "mul_max_over_amax")
-ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "one_zero_inf", "one_zero_nan", "nan")
-COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "input")
+ZERO_AMAX_MODES: tuple[str, ...] = ("floor", "one", "one_zero_inf", "one_zero_nan", "nan", "scale_dtype_eps")
+COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "input", "scale_input")
 MULTIPLIER_OPS: tuple[str, ...] = ("div", "recip_mul")
 MULTIPLIER_OVERFLOWS: tuple[str, ...] = ("flt_max", "input_max", "inf")
 FLOOR_ORDERS: tuple[str, ...] = ("floor_then_pow2", "pow2_then_floor")
@@ -83,7 +84,12 @@ class ScalePolicy:
       ``where(max_abs == 0 | max_abs == inf, 1, m)``); ``"one_zero_nan"`` the same for 0 and NaN only, an inf amax
       gives m = T/inf = 0 and s = 1/0 = inf (transformers ``where(max_abs > 0, m, 1)``); ``"nan"`` unguarded: s = 0
       and 0/0 → NaN codes (DeepSeek reference kernel, vLLM per-tensor CUDA — whose ``fminf(NaN, 448)`` is predicted
-      to store +448 instead, docs/engine-numerics.md §2.1).
+      to store +448 instead, docs/engine-numerics.md §2.1); ``"scale_dtype_eps"`` no floor, and a scale that is
+      exactly 0 after every other step — a zero amax, or one whose quotient amax/T underflows to 0 in D — becomes
+      s = finfo(D).eps, with D the dtype of the scale arithmetic (the input dtype under ``compute_dtype="input"`` or
+      ``"scale_input"``, else fp32): 2^-7 for bf16, 2^-10 for fp16, 2^-23 for fp32; no other scale changes, so a NaN amax keeps
+      s = NaN and an inf amax s = inf (compressed-tensors ``calculate_qparams`` step 5, ``_get_dtype_eps``; needs
+      ``floor="none"``, and a quant op that uses s: ``"div"`` or ``"mul_recip"``).
     * ``overflow``: the cast's overflow policy for values that still overflow (no clamp, or ±inf with clamp off).
     * ``compute_dtype``: ``"fp32"`` every scale, multiplier and quotient operation is an fp32 operation (the input is
       upcast exactly); ``"input"`` for a bf16 or fp16 input each of them is rounded to the input dtype:
@@ -93,7 +99,10 @@ class ScalePolicy:
       is the fp32 value of the input-dtype s; with ``scale_op="recip_multiplier"`` it is fl32(1/m) of the
       input-dtype m (vLLM ``scale.float().reciprocal()``). SGLang's ``_native_dynamic_per_token_quant_fp8`` /
       ``_native_dynamic_per_tensor_quant_fp8`` and vLLM's ``scaled_quantize`` / ``input_to_float8`` compute so.
-      fp32 inputs are unaffected.
+      ``"scale_input"``: the scale side (amax', s, m, R(1/s)) is rounded to the input dtype as under ``"input"``, the
+      quotient is not: q = fl32(x/s) (or fl32(x·R(1/s)), fl32(x·m)) of the exactly upcast x and the input-dtype s
+      (torchao ``_choose_scale_float8`` divides the bf16 amax by 448 in bf16, ``_quantize_affine_float8`` upcasts x
+      to fp32 before dividing). fp32 inputs are unaffected.
     * ``multiplier_op``: how the multiplier m of ``scale_op="recip_multiplier"`` / ``quant_op="mul_max_over_amax"``
       is formed: ``"div"`` m = fl(T/amax') (one rounding); ``"recip_mul"`` m = fl(fl(1/amax')·T) (two roundings:
       torch's ``T / t`` for a Python number T is ``t.reciprocal() * T``; vLLM ``scaled_quantize``,
@@ -117,9 +126,9 @@ class ScalePolicy:
     scale_op: Literal["div", "mul_recip_max", "recip_multiplier"] = "div"
     quant_op: Literal["div", "mul_recip", "mul_max_over_amax"] = "div"
     clamp: bool = True
-    zero_amax: Literal["floor", "one", "one_zero_inf", "one_zero_nan", "nan"] = "floor"
+    zero_amax: Literal["floor", "one", "one_zero_inf", "one_zero_nan", "nan", "scale_dtype_eps"] = "floor"
     overflow: OverflowPolicy = "saturate"
-    compute_dtype: Literal["fp32", "input"] = "fp32"
+    compute_dtype: Literal["fp32", "input", "scale_input"] = "fp32"
     multiplier_op: Literal["div", "recip_mul"] = "div"
     multiplier_overflow: Literal["flt_max", "input_max", "inf"] = "flt_max"
     floor_order: Literal["floor_then_pow2", "pow2_then_floor"] = "floor_then_pow2"
@@ -154,6 +163,10 @@ class ScalePolicy:
         if self.zero_amax == "floor" and (self.floor == "none" or self.eps == 0):
             raise ValueError("zero_amax: 'floor' needs a floor (floor != 'none' and eps > 0); use zero_amax='one' "
                              f"or 'nan' to say what a zero amax gives (floor={self.floor!r}, eps={self.eps!r})")
+        if self.zero_amax == "scale_dtype_eps" and (self.floor != "none" or self.quant_op == "mul_max_over_amax"):
+            raise ValueError("zero_amax: 'scale_dtype_eps' replaces a scale that is exactly 0, so it needs "
+                             "floor='none' (a floor keeps every scale above 0) and a quant_op that uses the scale "
+                             f"('div' or 'mul_recip'), got floor={self.floor!r}, quant_op={self.quant_op!r}")
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         check_choice("multiplier_op", self.multiplier_op, MULTIPLIER_OPS)
         check_choice("multiplier_overflow", self.multiplier_overflow, MULTIPLIER_OVERFLOWS)

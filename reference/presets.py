@@ -320,6 +320,21 @@ PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
        _PEERS_HF,
        floor="none", eps=0.0, zero_amax="one_zero_nan", scale_op="recip_multiplier", quant_op="mul_max_over_amax",
        multiplier_op="recip_mul", multiplier_overflow="inf"),
+    _p("compressed_tensors_fp8", "compressed-tensors FP8 (float-quantized: num_bits 8, type float, symmetric) for "
+       "the tensor, channel, group and block strategies alike — calculate_qparams (quantization/utils/helpers.py): "
+       "s = max(|min|, |max|)/448 in the weight's own dtype (bf16 weights: bf16 arithmetic), no floor, and a scale "
+       "that is exactly 0 (an all-zero group, or an amax whose quotient underflows) replaced by "
+       "torch.finfo(scale dtype).eps (_get_dtype_eps: 2^-7 bf16, 2^-10 fp16, 2^-23 fp32); then quantize "
+       "(quantization/lifecycle/forward_helpers.py _quantize): q = x/s in that dtype, clamp to ±448, torch's RNE "
+       "cast to float8_e4m3fn. min/max come from llm-compressor's min-max observer (docs/compressed-tensors.md; "
+       "its BF16 double rounding against the tolerances of docs/engine-numerics.md §7)",
+       Provenance("vllm-project/compressed-tensors",
+                  "src/compressed_tensors/quantization/utils/helpers.py",
+                  "calculate_qparams + quantization/lifecycle/forward.py quantize", "0.17.0", "-",
+                  "compressed-tensors"),
+       Verification("compressed-tensors", "0.17.0", "tests/engines/checkpoint/test_compressed_tensors_engine.py and fp8rl "
+                    "conformance --engine compressed-tensors"),
+       floor="none", eps=0.0, zero_amax="scale_dtype_eps", compute_dtype="input"),
     _p("torchao", "torchao blockwise training quant (torchao/prototype/blockwise_fp8_training/kernels.py): "
        "m = fl32(448/max(amax,1e-12)) (fp64 then fp32, identical to fp32 division), q = clamp(x·m), s = 1/m "
        "(docs/engine-numerics.md §5)",
@@ -328,6 +343,18 @@ PRESETS: dict[str, ScalePolicy] = {p.name: p for p in (
        Verification(reason="torchao is in no lock of this project (its Triton kernels would run under the "
                            "interpreter; not added)"),
        floor="amax", eps=1e-12, scale_op="recip_multiplier", quant_op="mul_max_over_amax"),
+    _p("torchao_float8", "torchao 0.18.0 Float8Tensor.from_hp on its torch path (every CPU; PerTensor, PerRow, "
+       "PerGroup, PerBlock alike; also Float8WeightOnlyConfig and the QAT Float8FakeQuantizer): _choose_scale_float8 "
+       "s = amax/finfo(fp8).max with no eps and no floor (an all-zero group gives s = 0 and NaN codes, an inf amax "
+       "s = inf), then _quantize_affine_float8 q = clamp(fl32(x)/s, ±448), torch's cast. A bf16/fp16 input "
+       "computes amax/448 in its own dtype but divides in fp32: compute_dtype='scale_input' "
+       "(docs/torchao.md, docs/engine-numerics.md §5)",
+       Provenance("pytorch/ao", "torchao/quantization/quant_primitives.py",
+                  "_choose_scale_float8 + _quantize_affine_float8 (via quantize_/workflows/float8/float8_tensor.py "
+                  "Float8Tensor.from_hp)", "0.18.0", "-", "torchao"),
+       Verification("torchao", "0.18.0", "tests/engines/checkpoint/test_torchao_engine.py and fp8rl conformance --engine "
+                    "torchao (fp32, bf16 and fp16 inputs)"),
+       floor="none", eps=0.0, zero_amax="nan", compute_dtype="scale_input"),
     _p("deepseek_ref_2024_12", "DeepSeek-V3 reference act_quant before 2025-08-27 (inference/kernel.py as released "
        "2024-12-26) and torchao's copy fp8_blockwise_act_quant (torchao/prototype/blockwise_fp8_inference/"
        "kernels.py): s = amax/448 with no eps (an all-zero block: s = 0 and NaN codes), q = x/s, no clamp "
@@ -396,11 +423,14 @@ def formula(policy: ScalePolicy | str) -> str:
         parts += [f"s = {s}"] + ([f"s = {floor}"] if floor else [])
     if p.zero_amax != "floor":
         parts.append({"one": "amax ∈ {0, ±inf, NaN} → s = 1", "one_zero_inf": "amax ∈ {0, inf} → s = 1",
-                      "one_zero_nan": "amax ∈ {0, NaN} → s = 1", "nan": "amax = 0 → NaN"}[p.zero_amax])
+                      "one_zero_nan": "amax ∈ {0, NaN} → s = 1", "nan": "amax = 0 → NaN",
+                      "scale_dtype_eps": "s = 0 → finfo(D).eps"}[p.zero_amax])
     q = {"div": "x/s", "mul_recip": "x·fl(1/s)", "mul_max_over_amax": "x·m"}[p.quant_op]
     parts.append(f"q = clamp({q})" if p.clamp else f"q = {q} (no clamp)")
     if p.compute_dtype == "input":
         parts.append("in the input dtype")
+    elif p.compute_dtype == "scale_input":
+        parts.append("the scale in the input dtype, q in fp32")
     return "; ".join(parts)
 
 

@@ -13,7 +13,7 @@ each citing its source. ``ScalePolicy``, ``PRESETS`` and ``get_policy`` are re-e
 All scale arithmetic is fp32 with IEEE round-to-nearest (torch CPU fp32 ops: division, multiplication and the
 reciprocal are correctly rounded), exactly like the engines' kernels — unless the policy says
 ``compute_dtype="input"``, where every step is rounded to a bf16/fp16 input's own dtype (R below; the identity for
-fp32); the FP8 cast is the bit-level encoder of :mod:`fp8rl.reference.formats` (round-to-nearest-even), never
+fp32), or ``"scale_input"``, where only the scale steps are (the quotient q stays fl32); the FP8 cast is the bit-level encoder of :mod:`fp8rl.reference.formats` (round-to-nearest-even), never
 torch's fp8 cast.
 
 Pipeline (``T`` = target max, ``fl`` = fp32 rounding, ``R`` = fl then the compute-dtype rounding):
@@ -27,7 +27,8 @@ Pipeline (``T`` = target max, ``fl`` = fp32 rounding, ``R`` = fl then the comput
    ``multiplier_overflow`` ("recip_multiplier").
 5. ``s = R(max(s, eps))`` if ``floor == "scale"`` (before power-of-two rounding, so pow2 policies give powers of
    two, unless ``floor_order="pow2_then_floor"`` puts it after step 6).
-6. power-of-two rounding by ``pow2`` (see :func:`round_scale_pow2`).
+6. power-of-two rounding by ``pow2`` (see :func:`round_scale_pow2`); then, with ``zero_amax="scale_dtype_eps"``,
+   ``s = finfo(D).eps`` where ``s == 0`` (D: the dtype of the scale arithmetic; :func:`zero_scale_to_dtype_eps`).
 7. codes: ``q = R(x/s)``, ``R(x·R(1/s))`` or ``R(x·m)`` (``quant_op``), ``clamp(q, -T, T)`` if ``clamp``, then the
    RNE cast with the ``overflow`` policy.
 """
@@ -60,7 +61,7 @@ __all__ = [
     "ACCEPTED_INPUT_DTYPES", "FLOOR_MODES", "GRANULARITY_KINDS", "Granularity", "GranularityKind", "OverflowPolicy", "POW2_MODES",
     "PRESETS", "QUANT_OPS", "QuantizedTensor", "SCALE_OPS", "ScalePolicy", "ZERO_AMAX_MODES", "compute_amax",
     "dequantize", "expand_scale", "get_policy", "quant_multiplier_from_amax", "quantize", "quantize_with_scale",
-    "round_scale_pow2", "scale_from_amax",
+    "round_scale_pow2", "scale_from_amax", "zero_scale_to_dtype_eps",
 ]
 
 GranularityKind = Literal["tensor", "token", "channel", "group", "block"]
@@ -263,6 +264,12 @@ def _compute_dtype(policy: ScalePolicy, input_dtype: torch.dtype | None) -> torc
     return input_dtype
 
 
+def _quotient_dtype(policy: ScalePolicy, input_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the quotient q is rounded to: the compute dtype, except under ``compute_dtype="scale_input"``
+    (scale in the input dtype, q = fl32(x/s)): None."""
+    return None if policy.compute_dtype == "scale_input" else _compute_dtype(policy, input_dtype)
+
+
 def _round(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """R(t): the fp32 tensor ``t`` rounded to nearest even in ``dtype`` (bf16 by the oracle's bit-level rounding,
     fp16 by numpy's IEEE conversion), returned as fp32; the identity for None."""
@@ -351,6 +358,18 @@ def round_scale_pow2(s: torch.Tensor, mode: str) -> torch.Tensor:
     raise ValueError("pow2: 'floor_multiplier' rounds the multiplier, not the scale; use scale_from_amax")
 
 
+def zero_scale_to_dtype_eps(s: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """s' = finfo(D).eps where s == 0, else s (fp32 result): the zero-scale rule of ``zero_amax="scale_dtype_eps"``.
+
+    D = ``dtype`` (the dtype the scale was computed in), fp32 when None: eps = 2^-7 for bf16, 2^-10 for fp16,
+    2^-23 for fp32. Only an exact zero is replaced (a NaN or inf scale passes through): compressed-tensors'
+    ``calculate_qparams`` step 5, ``torch.where(scales == 0, _get_dtype_eps(scales.dtype), scales)``.
+    """
+    eps = float(torch.finfo(dtype if dtype is not None else _F32).eps)
+    s = s.to(_F32)
+    return torch.where(s == 0, _f32(eps), s)
+
+
 def quant_multiplier_from_amax(amax: torch.Tensor, policy: ScalePolicy | str, *,
                                input_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The multiplier m of ``quant_op="mul_max_over_amax"`` (q = x·m), fp32, same shape as ``amax``.
@@ -384,7 +403,9 @@ def scale_from_amax(amax: torch.Tensor, policy: ScalePolicy | str, *,
       R rounds to ``input_dtype`` under ``compute_dtype="input"`` and is the identity otherwise;
     * ``floor="scale"``: s = R(max(s, fl(eps))), then pow2 rounding (:func:`round_scale_pow2`), or pow2 rounding
       first with ``floor_order="pow2_then_floor"``;
-    * ``zero_amax`` "one*" modes: s = 1 for the degenerate amax' of the mode.
+    * ``zero_amax`` "one*" modes: s = 1 for the degenerate amax' of the mode;
+    * ``zero_amax="scale_dtype_eps"``: last, s = finfo(D).eps where s == 0 (:func:`zero_scale_to_dtype_eps`; D the
+      compute dtype: the input dtype under ``compute_dtype="input"``, else fp32).
     """
     policy = get_policy(policy)
     if not isinstance(amax, torch.Tensor):
@@ -411,6 +432,8 @@ def scale_from_amax(amax: torch.Tensor, policy: ScalePolicy | str, *,
         s = _round(round_scale_pow2(s, policy.pow2), rd)
     if policy.zero_amax.startswith("one"):
         s = torch.where(_degenerate(amax_f, policy.zero_amax), _f32(1.0), s)
+    if policy.zero_amax == "scale_dtype_eps":
+        s = zero_scale_to_dtype_eps(s, rd)
     return s.to(_F32)
 
 
@@ -623,12 +646,14 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
     q = R(x/s) ("div"), R(x·R(1/s)) ("mul_recip") or R(x·m) ("mul_max_over_amax", m from
     :func:`quant_multiplier_from_amax` of ``amax``, which is recomputed from x when not given — a dynamic-quant
     op); then clamp(q, -T, T) if ``policy.clamp``; then the RNE cast with ``policy.overflow``. R rounds to x's own
-    dtype under ``compute_dtype="input"`` (so pass x in the dtype it was quantized from).
+    dtype under ``compute_dtype="input"`` (so pass x in the dtype it was quantized from); under ``"scale_input"``
+    only R(1/s) and m are, q is fl32.
     """
     policy = get_policy(policy)
     in_dtype = x.dtype if isinstance(x, torch.Tensor) else None
     x = _as_input(x)
     rd = _compute_dtype(policy, in_dtype)
+    rq = _quotient_dtype(policy, in_dtype)
     shape = g.check_shape(tuple(x.shape))
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale: expected a torch.Tensor, got {type(scale).__name__}")
@@ -648,9 +673,9 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
         elif tuple(amax.shape) != g.scale_shape(shape):
             raise ValueError(f"amax: expected shape {g.scale_shape(shape)}, got {tuple(amax.shape)}")
         operand, divide = quant_multiplier_from_amax(amax.to("cpu", _F32), policy, input_dtype=in_dtype), False
-    if rd is None:  # fp32 arithmetic: strip by strip, bit-identical to the lines below (see _codes_by_strips)
+    if rq is None:  # fp32 quotient: strip by strip, bit-identical to the lines below (see _codes_by_strips)
         return _codes_by_strips(x, operand, g, divide, policy)
-    q = _round(_apply_per_group(x, operand, g, torch.div if divide else torch.mul), rd)
+    q = _round(_apply_per_group(x, operand, g, torch.div if divide else torch.mul), rq)
     if policy.clamp:
         t = policy.max_value
         q = q.clamp_(-t, t)

@@ -36,9 +36,11 @@ BUILTINS: dict[str, str] = {
     "openrlhf": "fp8rl.engines.openrlhf:OpenRlhfEngine",
     "skyrl": "fp8rl.engines.skyrl:SkyrlEngine",
     "hf-fp8": "fp8rl.engines.checkpoint_hf:HfFp8Engine",
+    "compressed-tensors": "fp8rl.engines.compressed_tensors:CompressedTensorsEngine",
     "compressed-tensors-mx": "fp8rl.engines.mx_peers:CompressedTensorsMXEngine",
     "vllm-mx": "fp8rl.engines.mx_peers:VllmMXEngine",
     "torchao-mx": "fp8rl.engines.torchao_mx:TorchaoMXEngine",
+    "torchao": "fp8rl.engines.torchao_float8:TorchaoEngine",
 }
 
 

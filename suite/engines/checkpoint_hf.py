@@ -10,15 +10,33 @@ parameters the loaded model holds, under the checkpoint's names (transformers â‰
 ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I); they are split back per expert:
 gate rows first, as the experts' forward ``chunk(2, dim=-1)`` reads them).
 
+Compressed-tensors checkpoints (``quant_method: compressed-tensors``, e.g. writer ``compressed-tensors``) are
+loaded too where the compressed-tensors package imports (``checkpoint_formats`` is computed per instance): they go
+through transformers' ``CompressedTensorsHfQuantizer`` (``src/transformers/quantizers/quantizer_compressed_tensors.py``)
+with ``quantization_config=CompressedTensorsConfig(dequantize=True)`` (the non-deprecated spelling of
+``run_compressed=False``). That mode is chosen because it is what a trainer or a reference model loads: the weights
+are decompressed once at load (``CompressedTensorsDequantize``, ``src/transformers/integrations/compressed_tensors.py``:
+compressed-tensors' compressor ``decompress`` for dense modules, an inline ``quant * scale`` for fused MoE experts)
+and the model holds plain ``nn.Linear`` weights in the model dtype, the ones its forward computes with. The default
+(``dequantize=False``) keeps ``float8_e4m3fn`` codes next to ``weight_scale`` and decompresses on the first forward,
+so its state dict is not what the model computes with. Should a module still hold compressed weights after loading,
+the engine decompresses it with compressed-tensors' own ``decompress_module`` (the library's function, never the
+oracle's) before reading the parameters. Without compressed-tensors the format is declared not loaded, with the
+reason.
+
 Writing is not available: transformers quantizes to FP8 on load only with a GPU (``validate_environment`` raises
 "No GPU or XPU found" for a non-pre-quantized model), so it has no CPU FP8 writer. Needs ``accelerate`` (the FP8
-quantizer imports it): it runs in the ``trl`` tier, whose lock has transformers 5.24.0 and accelerate 1.15.0.
+quantizer imports it): it runs in the ``checkpoint`` tier (``nox -s conformance_checkpoint``), whose environment has
+transformers 5.24.0, accelerate and compressed-tensors 0.17.0.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +49,72 @@ _KV_REASON = ("transformers has no FP8 KV cache: a checkpoint's k_scale / v_scal
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
+def _ct_reason() -> str | None:
+    """None if the compressed-tensors package imports (transformers' CompressedTensorsHfQuantizer needs it)."""
+    return import_failure("compressed_tensors", "pip install compressed-tensors (in the checkpoint tier: "
+                                                "nox -s conformance_checkpoint)")
+
+
+def _quant_method(path: Any) -> str | None:
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") if isinstance(qc, dict) else None
+
+
+class _ReportCapture(logging.Handler):
+    """Keeps transformers' load report: from_pretrained raises "We encountered some issues during automatic
+    conversion" and leaves the conversion errors (function, error text, target parameter) only in the logged
+    report, so the engine's error names the first one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.text: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text.append(record.getMessage())
+
+    def first_conversion_error(self) -> str | None:
+        for text in self.text:
+            err = re.search(r"^(\w+(?:Error|Exception): .+)$", text, re.M)
+            target = re.search(r"^Error: (\w+) on tensors destined for (\S+?)\.? Ckpt", text, re.M)
+            if err is not None:
+                where = f" in {target.group(1)} for {target.group(2)}" if target else ""
+                return f"conversion error{where}: {err.group(1).strip()}"
+        return None
+
+
+def _decompress_left_over(model: Any) -> None:
+    """Decompress, in place, every module that still holds compressed weights after a ``dequantize=True`` load
+    (none is expected), with compressed-tensors' own compressor for the module's scheme (``decompress_module``)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+
+    qc = getattr(model.config, "quantization_config", None)
+    fmt = qc.get("format") if isinstance(qc, dict) else getattr(qc, "format", None)
+    for module in model.modules():
+        if getattr(module, "quantization_status", None) != QuantizationStatus.COMPRESSED:
+            continue
+        scheme = module.quantization_scheme
+        BaseCompressor.get_value_from_registry(scheme.format or fmt).decompress_module(module)
+
+
 class HfFp8Engine(Engine):
     name = "hf-fp8"
-    description = ("transformers' fine-grained FP8 loader: from_pretrained of a weight_block_size checkpoint on CPU "
-                   "(dequantize-on-load, Fp8Dequantize)")
+    description = ("transformers' FP8 loaders: from_pretrained on CPU of a weight_block_size checkpoint "
+                   "(dequantize-on-load, Fp8Dequantize) and, with compressed-tensors installed, of a "
+                   "compressed-tensors one (CompressedTensorsConfig(dequantize=True))")
+
+    @property
+    def checkpoint_formats(self) -> tuple[str, ...]:
+        """quant_method of the checkpoints it loads: ``fp8`` always, ``compressed-tensors`` where that package
+        imports (fp8rl checkpoint-matrix shows the other cells as not run, with ``checkpoint_format_notes``)."""
+        return ("fp8",) if _ct_reason() else ("fp8", "compressed-tensors")
+
+    @property
+    def checkpoint_format_notes(self) -> dict[str, str]:
+        reason = _ct_reason()
+        return {} if reason is None else {
+            "compressed-tensors": "transformers reads it through CompressedTensorsHfQuantizer, which needs the "
+                                  f"compressed-tensors package: {reason}"}
 
     def version(self) -> str:
         try:
@@ -62,19 +142,40 @@ class HfFp8Engine(Engine):
 
     def checkpoint_load(self, path: Any) -> dict[str, torch.Tensor]:
         """The parameters ``transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` holds,
-        under the checkpoint's names (fused experts split per expert)."""
+        under the checkpoint's names (fused experts split per expert); a compressed-tensors checkpoint is loaded with
+        ``quantization_config=CompressedTensorsConfig(dequantize=True)`` (see the module docstring)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        kwargs: dict[str, Any] = {}
+        compressed = _quant_method(path) == "compressed-tensors"
+        if compressed:
+            reason = _ct_reason()
+            if reason is not None:
+                raise RuntimeError(f"a compressed-tensors checkpoint needs the compressed-tensors package: {reason}")
+            from transformers import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
+        report = _ReportCapture()
+        hf_logging.get_logger("transformers").addHandler(report)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, local_files_only=True,
+                                                         **kwargs)
+        except RuntimeError as exc:
+            first = report.first_conversion_error()
+            if first is None:
+                raise
+            raise RuntimeError(f"from_pretrained: automatic conversion of the weights failed; first {first}") from exc
         finally:
+            hf_logging.get_logger("transformers").removeHandler(report)
             if bar:
                 hf_logging.enable_progress_bar()
+        if compressed:
+            _decompress_left_over(model)
         out: dict[str, torch.Tensor] = {}
         for name, t in model.state_dict().items():
             m = _EXPERTS.match(name)

@@ -218,10 +218,18 @@ class ReferenceEngine(Engine):
 
         return ck.write_checkpoint(out_dir, config, state_dict, ck.CheckpointSpec(policy=self.scale_policy("block")))
 
-    def checkpoint_load(self, path):
-        from fp8rl.reference import checkpoint as ck
+    #: the ``quant_method`` of the checkpoints :meth:`checkpoint_load` reads (``fp8rl checkpoint-matrix`` does not
+    #: run a loader on a file of another format; engines without the attribute read ``fp8`` only)
+    checkpoint_formats = ("fp8", "compressed-tensors")
 
-        return ck.dequantize_checkpoint(path)
+    def checkpoint_load(self, path):
+        """The oracle's readers: blockwise FP8 (fp8rl.reference.checkpoint) or compressed-tensors FP8
+        (fp8rl.reference.checkpoint_ct), by the file's ``quant_method``."""
+        from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import checkpoint_ct as cct
+
+        config, tensors = ck.read_checkpoint(path)
+        return cct.dequantize_any(config, tensors)
 
     def checkpoint_attention_scales(self, path):
         """The oracle's attention scales: the file's (validated), the documented defaults where absent."""

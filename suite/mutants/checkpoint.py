@@ -92,7 +92,7 @@ class WriterFp32Direct(ReferenceEngine):
 
 
 @mutant("ckpt-writer-zero-block-scale", "the writer computes each scale as amax/448 with no floor: an all-zero "
-        "block gets scale 0 and its codes 0/0 = NaN", kills=("CKPT-WRITE-002",))
+        "block gets scale 0 and its codes 0/0 = NaN", kills=("CKPT-WRITE-002", "CKPT-WRITE-003"))
 class WriterZeroBlock(ReferenceEngine):
     def checkpoint_write(self, out_dir, config, state_dict):
         p = super().checkpoint_write(out_dir, config, state_dict)
@@ -115,6 +115,18 @@ class WriterZeroBlock(ReferenceEngine):
                 t[name[: -len("_scale_inv")]] = codes.view(w.dtype)
             return t
         return _rewrite(p, edit)
+
+
+@mutant("ckpt-writer-unguarded-declared", "the writer's block quantizer has no floor and says so: its declared policy "
+        "(s = amax/448, no eps, 0/0 for a zero amax: torchao's Float8Tensor, the DeepSeek-V3 reference kernel) is "
+        "met bit-exactly, so an all-zero block is written as scale 0 and NaN codes", kills=("CKPT-WRITE-003",))
+class WriterUnguardedDeclared(ReferenceEngine):
+    def scale_policy(self, kind):
+        from dataclasses import replace
+
+        p = super().scale_policy(kind)
+        return replace(p, name=f"{p.name}-unguarded", floor="none", eps=0.0, zero_amax="nan") if kind == "block" \
+            else p
 
 
 @mutant("ckpt-writer-squeezed-scale", "the writer squeezes the last dimension of every scale grid (written for a "

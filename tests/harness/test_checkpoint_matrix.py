@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from fp8rl.checkpoint_cli import known_keys
 from fp8rl.cli import main
+from fp8rl.engine import Engine
+from fp8rl.engines.checkpoint_hf import HfFp8Engine
 
 
 def test_matrix_conformant_and_deviation_cells(tmp_path):
@@ -38,3 +42,107 @@ def test_matrix_reads_checkpoints_written_elsewhere_and_exits_0(tmp_path):
 
 def test_matrix_unknown_engine_is_a_usage_error(tmp_path):
     assert main(["checkpoint-matrix", "--loader", "no-such-engine", "--out", str(tmp_path)]) == 2
+
+
+def _ct_checkpoint(root, model: str = "tiny-qwen3-moe", corrupt: bool = False):
+    """A compressed-tensors FP8 block checkpoint as the writer ``compressed-tensors`` lays it out under
+    ``--checkpoints``, built from the oracle's blockwise file (weight_scale_inv → weight_scale, the CT config)."""
+    from fp8rl import fixtures
+    from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import checkpoint_ct as cct
+
+    tm = fixtures.tiny_model(model)
+    src = ck.write_checkpoint(root / "src", tm.config, tm.state_dict)
+    _, tensors = ck.read_checkpoint(src)
+    out = {(n[: -len("_inv")] if n.endswith("_scale_inv") else n): t for n, t in tensors.items()}
+    if corrupt:
+        s = out["model.layers.0.self_attn.q_proj.weight_scale"].clone()
+        s[0, 0] = float("nan")
+        out["model.layers.0.self_attn.q_proj.weight_scale"] = s
+    routers = [n[: -len(".weight")] for n in tm.state_dict if n.endswith(".mlp.gate.weight")]
+    qc = cct.quantization_config(cct.CTWeightScheme("block", block=(128, 128)), ["lm_head", *routers])
+    return ck.write_tensors(root / "cks" / "compressed-tensors" / model, tm.config, out, qc)
+
+
+def test_matrix_compressed_tensors_file_read_by_reference_not_run_for_hf_fp8(tmp_path):
+    _ct_checkpoint(tmp_path)
+    out = tmp_path / "m"
+    rc = main(["checkpoint-matrix", "--writer", "compressed-tensors", "--loader", "reference", "--loader", "hf-fp8",
+               "--model", "tiny-qwen3-moe", "--checkpoints", str(tmp_path / "cks"), "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "matrix.json").read_text())
+    cells = {c["loader"]: c for c in doc["cells"]}
+    assert cells["reference"]["status"] == "conformant"
+    assert cells["reference"]["file"]["status"] == "conformant"
+    hf = cells["hf-fp8"]
+    assert cells["reference"]["format"] == "compressed-tensors"
+    if "compressed-tensors" not in HfFp8Engine().checkpoint_formats:  # the base environment: no compressed-tensors
+        assert hf["status"] == "not run" and "'compressed-tensors'" in hf["detail"] and "fp8" in hf["detail"]
+        assert "compressed-tensors package" in hf["detail"]
+    assert "| compressed-tensors | tiny-qwen3-moe | within bound" in (out / "matrix.md").read_text()
+
+
+def test_matrix_bad_compressed_tensors_file_names_the_tensor(tmp_path):
+    _ct_checkpoint(tmp_path, corrupt=True)
+    out = tmp_path / "m"
+    rc = main(["checkpoint-matrix", "--writer", "compressed-tensors", "--loader", "reference", "--model",
+               "tiny-qwen3-moe", "--checkpoints", str(tmp_path / "cks"), "--out", str(out)])
+    assert rc == 1
+    cell = json.loads((out / "matrix.json").read_text())["cells"][0]
+    assert cell["file"]["status"] == "deviation"
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in cell["file"]["detail"]
+    assert cell["status"] == "error" and "q_proj.weight_scale" in cell["detail"]
+
+
+def test_known_keys_are_format_aware():
+    assert known_keys("CKPT-LOAD-001", "tiny-qwen3") == {"CKPT-LOAD-001[tiny-qwen3]"}
+    assert known_keys("CKPT-LOAD-001", "tiny-qwen3", "fp8") == {"CKPT-LOAD-001[tiny-qwen3]",
+                                                                 "CKPT-LOAD-001[fp8:tiny-qwen3]"}
+    # an fp8 finding (the plain key) never vouches for a compressed-tensors cell
+    assert known_keys("CKPT-LOAD-001", "tiny-qwen3", "compressed-tensors") == {
+        "CKPT-LOAD-001[compressed-tensors:tiny-qwen3]"}
+
+
+class _RaisingLoader(Engine):
+    """A loader of both formats that raises on every file."""
+
+    name = "fake-loader"
+    checkpoint_formats = ("fp8", "compressed-tensors")
+
+    def version(self) -> str:
+        return "fake 0"
+
+    def capabilities(self):
+        return {"checkpoint.load": True}
+
+    def checkpoint_load(self, path):
+        raise RuntimeError("fake loader: cannot load")
+
+
+@pytest.mark.parametrize("entries, rc, known_fp8, known_ct", [
+    (["CKPT-LOAD-001[tiny-qwen3-moe]"], 1, True, False),  # the fp8 entry: the compressed-tensors cell is not known
+    (["CKPT-LOAD-001[compressed-tensors:tiny-qwen3-moe]"], 1, False, True),
+    (["CKPT-LOAD-001[fp8:tiny-qwen3-moe]", "CKPT-LOAD-001[compressed-tensors:tiny-qwen3-moe]"], 0, True, True),
+])
+def test_matrix_known_is_format_aware_exact(tmp_path, monkeypatch, entries, rc, known_fp8, known_ct):
+    import fp8rl.registry
+    import fp8rl.runner
+
+    xf = tmp_path / "fake-loader.xfails"
+    xf.write_text("".join(f"{e}  # a finding of the fake loader on this cell, for the format-aware known-ness\n"
+                          for e in entries))
+    real_load, real_vendor = fp8rl.registry.load_engine, fp8rl.runner.vendor_file
+    monkeypatch.setattr(fp8rl.registry, "load_engine",
+                        lambda name: _RaisingLoader() if name == "fake-loader" else real_load(name))
+    monkeypatch.setattr(fp8rl.runner, "vendor_file",
+                        lambda engine, kind: xf if engine == "fake-loader" and kind == "xfails"
+                        else real_vendor(engine, kind))
+    _ct_checkpoint(tmp_path)
+    out = tmp_path / "m"
+    assert main(["checkpoint-matrix", "--writer", "reference", "--writer", "compressed-tensors", "--loader",
+                 "fake-loader", "--model", "tiny-qwen3-moe", "--checkpoints", str(tmp_path / "cks"),
+                 "--out", str(out)]) == rc
+    cells = {c["writer"]: c for c in json.loads((out / "matrix.json").read_text())["cells"]}
+    assert cells["reference"]["format"] == "fp8" and cells["compressed-tensors"]["format"] == "compressed-tensors"
+    assert cells["reference"]["status"] == cells["compressed-tensors"]["status"] == "error"
+    assert cells["reference"]["known"] is known_fp8 and cells["compressed-tensors"]["known"] is known_ct
