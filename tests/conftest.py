@@ -13,10 +13,32 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "package's behaviour, verified for versions in spec")
 
 
+#: the longest tests (wall s measured in CI's test job: -n 3 on 2 cores), started first, in pairs per xdist worker
+#: (addopts' --maxschedchunk 2 hands each worker two tests at a time: worker 1 gets the first two, worker 2 the next
+#: two, ...), so that none of them starts in the last minutes and holds the run's end (longest-first scheduling)
+HEAVY_FIRST = (
+    "tests/checks/test_mutants.py::test_every_mutant_is_killed_by_every_declared_killer",  # 175 (2 processes)
+    "tests/checks/test_kv_conformance.py::test_reference_and_torch_pass_kv_area",  # 24
+    "tests/checks/test_coverage.py::test_reference_run_at_ci_exercises_every_class",  # 140: the shared reference run
+    "tests/harness/test_harness.py::test_hanging_engine_times_out_as_error_and_run_continues",  # 29
+    "tests/harness/test_reliability.py::test_seed_sweep_writes_a_checks_by_seeds_table",  # 41
+    "tests/harness/test_harness.py::test_conformance_torch_passes_or_documented_xfails",  # 34
+)
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    """Heavy tests first (in HEAVY_FIRST's order), the other readers of the shared reference run last (by then it
+    has ended: they don't hold a worker waiting on its lock), everything else in collection order."""
+    if item.nodeid in HEAVY_FIRST:
+        return 0, HEAVY_FIRST.index(item.nodeid)
+    return (2, 0) if "reference_ci_run" in getattr(item, "fixturenames", ()) else (1, 0)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for mark in item.iter_markers("upstream_pin"):
             item.user_properties.append(("upstream_pin", f"{mark.kwargs['package']}{mark.kwargs['spec']}"))
+    items.sort(key=_run_order)  # stable: the same order on every xdist worker
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,20 @@ from .common import Benchmark
 ENV = "FP8RL_ASV_REPORTS"
 
 
+def series_name(rep: dict, taken: dict) -> str:
+    """The dashboard series of a report: its engine's name, or, when a report of that engine with other areas was
+    found first (vLLM's tier runs its rollout areas and its op areas as two runs), ``name[area+area]``."""
+    name = str(rep["engine"]["name"])
+    if name not in taken:
+        return name
+    areas = (rep.get("selection") or {}).get("areas") or []
+    return f"{name}[{'+'.join(areas) or 'all'}]"
+
+
 def _reports() -> dict[str, dict]:
-    """engine name -> its report (the first one found for that engine). A path that holds no valid report is left
-    out (its engine's benchmarks are then skipped) rather than breaking the discovery of every other benchmark;
-    give absolute paths: asv imports this file from another working directory."""
+    """series (:func:`series_name`) -> its report (the first one found for that series). A path that holds no valid
+    report is left out (its engine's benchmarks are then skipped) rather than breaking the discovery of every other
+    benchmark; give absolute paths: asv imports this file from another working directory."""
     spec = os.environ.get(ENV, "")
     out: dict[str, dict] = {}
     if not spec:
@@ -37,7 +47,7 @@ def _reports() -> dict[str, dict]:
             except ValueError:  # ReportValidationError, JSONDecodeError
                 continue
             if rep.get("kind") == "conformance":
-                out.setdefault(str(rep["engine"]["name"]), rep)
+                out.setdefault(series_name(rep, out), rep)
     return out
 
 

@@ -9,7 +9,8 @@ element 2i in the low nibble). Declared presets: the oracle's ``ocp_mxfp8_e4m3``
 What it does not run, with the reasons in ``capabilities()``: NVFP4 (``NVFP4Tensor``/``nvfp4_quantize`` keep the
 dequant-direction per-tensor scale amax/2688 and clamp block scales below at E4M3's smallest normal 2^-6 — no
 oracle preset models that arithmetic yet), ragged K (``to_mx`` asserts K % 32 == 0), the MX GEMM and a weight sync.
-Installed in the ``conformance_trl`` environment (``nox -s conformance_trl --install-only``; extra ``torchao``).
+Installed in the ``conformance_checkpoint`` environment (``nox -s conformance_checkpoint --install-only``; extra
+``checkpoint``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from fp8rl.engine import CapabilityMap, Engine, Unsupported, import_failure
 from fp8rl.reference import microscaling as mx
 
 TORCHAO_VERSION = "0.18.0"
-_HINT = "needs torchao (the conformance_trl environment: nox -s conformance_trl --install-only; extra 'torchao')"
+_HINT = ("needs torchao (the conformance_checkpoint environment: nox -s conformance_checkpoint --install-only; "
+         "extra 'checkpoint')")
 _ELEM = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2", "mxfp4": "float4_e2m1fn_x2"}
 
 

@@ -136,6 +136,17 @@ def test_conformance_tracks_read_the_reports_named_by_the_env_var(tmp_path, monk
     assert (b.track_passed("vllm"), b.track_failed_or_error("vllm"), b.track_skipped("vllm")) == (0, 1, 1)
     with pytest.raises(NotImplementedError):  # asv records a skipped benchmark
         b.setup("sglang")
+    # a second run of one engine over other areas (the vLLM tier's rollout run) is its own series, named by its areas
+    rollout = json.loads((tmp_path / "vllm" / "seed-0" / "report.json").read_text())
+    rollout.update(selection={"areas": ["e2e", "learning"], "keyword": None}, duration_s=300.0)
+    (tmp_path / "vllm-rollout").mkdir()
+    (tmp_path / "vllm-rollout" / "report.json").write_text(json.dumps(rollout))
+    monkeypatch.setenv("FP8RL_ASV_REPORTS", os.pathsep.join(str(tmp_path / n) for n in ("torch", "vllm", "vllm-rollout")))
+    bc = importlib.reload(bc)
+    assert bc.Conformance.params == ["torch", "vllm", "vllm[e2e+learning]"]
+    b = bc.Conformance()
+    b.setup("vllm[e2e+learning]")
+    assert b.track_wall_s("vllm[e2e+learning]") == 300.0
     monkeypatch.delenv("FP8RL_ASV_REPORTS")
     bc = importlib.reload(bc)
     assert bc.Conformance.params == ["(no FP8RL_ASV_REPORTS)"]

@@ -1,5 +1,5 @@
 """The ``hf-fp8`` engine (transformers' fine-grained FP8 loader): behaviour without accelerate (base environment)
-and — where transformers 5.24 and accelerate are installed (the ``conformance_trl`` nox session) — executable
+and — where transformers 5.24 and accelerate are installed (the ``conformance_checkpoint`` nox session) — executable
 evidence of every finding in conformance/vendors/hf-fp8.xfails."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ try:
     HAS_ACCELERATE = True
 except ImportError:
     HAS_ACCELERATE = False
-needs_loader = pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' FP8 loader needs accelerate (trl tier)")
+needs_loader = pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' FP8 loader needs accelerate (checkpoint tier)")
 
 
 def test_without_accelerate_load_says_why(monkeypatch):
@@ -111,3 +111,144 @@ def test_interop_matrix_reference_writer_cells(tmp_path):
     assert cells[("hf-fp8", "tiny-qwen3-moe")]["status"] == "conformant"
     assert cells[("hf-fp8", "tiny-qwen3")]["status"] == "error" and cells[("hf-fp8", "tiny-qwen3")]["known"]
     assert all(cells[("reference", m)]["status"] == "conformant" for m in ("tiny-qwen3", "tiny-qwen3-moe"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compressed-tensors checkpoints (transformers' CompressedTensorsHfQuantizer, dequantize=True)
+
+try:
+    import compressed_tensors  # noqa: F401
+
+    HAS_CT = True
+except ImportError:
+    HAS_CT = False
+needs_ct = pytest.mark.skipif(not HAS_CT, reason="compressed-tensors is not installed (checkpoint tier)")
+needs_ct_loader = pytest.mark.skipif(not (HAS_CT and HAS_ACCELERATE),
+                                     reason="transformers' compressed-tensors loader needs compressed-tensors and "
+                                            "accelerate (checkpoint tier)")
+PIN_CT = pinned("compressed-tensors", "==0.17.0", "NaiveQuantizationCompressor.decompress calls dequantize without "
+                "the scheme's args, so the block is inferred from the scale grid")
+
+
+def test_formats_without_compressed_tensors_say_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    eng = HfFp8Engine()
+    assert eng.checkpoint_formats == ("fp8",)
+    assert "compressed-tensors" in eng.checkpoint_format_notes["compressed-tensors"]
+
+
+@needs_ct
+def test_formats_with_compressed_tensors():
+    eng = HfFp8Engine()
+    assert eng.checkpoint_formats == ("fp8", "compressed-tensors") and eng.checkpoint_format_notes == {}
+
+
+def _ct_weight(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 codes (rows, cols), a BF16 128x128 block-scale grid (ceil-div) and codes x expanded scales (in BF16,
+    one rounding of the exact fp32 product)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = (torch.rand(-(-rows // 128), -(-cols // 128), generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    full = scale.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    return codes, scale, (codes.float() * full).to(torch.bfloat16)
+
+
+@PIN_CT
+@needs_ct
+@pytest.mark.parametrize("rows, cols, error", [
+    (128, 320, "group_size 106 but got 320"),  # grid (1, 3): inferred GROUP of int(320/3) columns
+    (320, 384, r"tensor a \(4\) must match the size of tensor b \(3\)"),  # (3, 3): inferred BLOCK 106x128
+    (256, 128, r"tensor a \(256\) must match the size of tensor b \(2\)"),  # (2, 1): inferred CHANNEL
+])
+def test_finding_ct_decompress_infers_block_from_grid_raises(rows, cols, error):
+    """compressed-tensors' own decompress of one FP8 block weight: it raises on these grids, while its dequantize
+    given the scheme's args is exact (so the defect is decompress dropping args, not dequantize)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    comp = BaseCompressor.get_value_from_registry("float-quantized")
+    codes, scale, want = _ct_weight(rows, cols)
+    with pytest.raises((RuntimeError, ValueError), match=error):
+        comp.decompress({"weight": codes, "weight_scale": scale}, scheme)
+    assert torch.equal(dequantize(codes, scale, args=scheme.weights, dtype=torch.bfloat16), want)
+
+
+@PIN_CT
+@needs_ct
+@pytest.mark.parametrize("rows, cols", [(256, 256), (128, 256), (384, 256)])
+def test_ct_decompress_divisible_grids_exact(rows, cols):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    codes, scale, want = _ct_weight(rows, cols)
+    got = BaseCompressor.get_value_from_registry("float-quantized").decompress(
+        {"weight": codes, "weight_scale": scale}, scheme)["weight"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def _ct_write(cfg: dict, sd: dict) -> str:
+    from fp8rl.registry import load_engine
+
+    return str(load_engine("compressed-tensors").checkpoint_write(tempfile.mkdtemp(prefix="fp8rl-hfct-"), cfg, sd))
+
+
+def _dense_variant(hidden: int, inter: int) -> tuple[dict, dict]:
+    tm = fixtures.tiny_model("tiny-qwen3")
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for k, v in tm.state_dict.items():
+        shape = [hidden if s == 320 else inter if s == 384 else s for s in v.shape]
+        sd[k] = ((torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16) if v.dim() == 2
+                 else torch.ones(*shape, dtype=torch.bfloat16))
+    return dict(tm.config, hidden_size=hidden, intermediate_size=inter), sd
+
+
+@PIN
+@PIN_CT
+@needs_ct_loader
+def test_ct_divisible_checkpoint_loads_exact():
+    """hidden 256, intermediate 384: every grid divides, compressed-tensors' inference is right, every held weight
+    equals codes x scales of the file exactly (BF16, plain nn.Linear: decompressed on load)."""
+    from fp8rl.reference import checkpoint_ct as cct
+
+    path = _ct_write(*_dense_variant(256, 384))
+    held = HfFp8Engine().checkpoint_load(path)
+    config, tensors = ck.read_checkpoint(path)
+    want = cct.dequantize_any(config, tensors, dtype=torch.bfloat16)
+    assert len(want) == 25
+    for name, w in want.items():
+        assert held[name].dtype == torch.bfloat16 and torch.equal(held[name], w), name
+
+
+@PIN
+@PIN_CT
+@needs_ct_loader
+def test_finding_ct_k128_weight_raises():
+    """intermediate 128: down_proj (256, 128) has grid (2, 1), which compressed-tensors reads as per-channel."""
+    with pytest.raises(RuntimeError, match=r"decompress|tensor a \(256\) must match the size of tensor b \(2\)"):
+        HfFp8Engine().checkpoint_load(_ct_write(*_dense_variant(256, 128)))
+
+
+@PIN
+@PIN_CT
+@needs_ct_loader
+def test_interop_matrix_compressed_tensors_writer_cells(tmp_path):
+    """The compressed-tensors writer's checkpoints through transformers: both models are known loader errors
+    (tiny-qwen3: compressed-tensors' decompress; tiny-qwen3-moe: transformers' FP8-experts fold), exit 0."""
+    import json
+
+    from fp8rl.cli import main
+
+    assert main(["checkpoint-matrix", "--writer", "compressed-tensors", "--loader", "hf-fp8",
+                 "--out", str(tmp_path)]) == 0
+    cells = {c["model"]: c for c in json.loads((tmp_path / "matrix.json").read_text())["cells"]}
+    dense, moe = cells["tiny-qwen3"], cells["tiny-qwen3-moe"]
+    assert dense["format"] == moe["format"] == "compressed-tensors"
+    assert dense["status"] == "error" and dense["known"], dense
+    assert "CompressedTensorsDequantize" in dense["detail"] and (
+        "group_size 106" in dense["detail"] or "tensor a (4) must match the size of tensor b (3)" in dense["detail"])
+    assert moe["status"] == "error" and moe["known"], moe
+    assert "mlp.experts" in moe["detail"] and "tensor a (256) must match the size of tensor b (2)" in moe["detail"]

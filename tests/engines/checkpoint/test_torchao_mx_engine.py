@@ -1,5 +1,5 @@
 """The ``torchao-mx`` engine (torchao's ``to_mx``): behaviour without torchao (base environment) and — where
-torchao 0.18.0 is installed (the ``conformance_trl`` nox session) — executable evidence of the finding in
+torchao 0.18.0 is installed (the ``conformance_checkpoint`` nox session) — executable evidence of the finding in
 conformance/vendors/torchao-mx.xfails."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from support.upstream import installed_version, pinned
 
 PIN = pinned("torchao", "==0.18.0", "to_mx FLOOR stores E8M0 code 0 (2^-127) but divides by 2^-126")
 XFAILS = REPO_ROOT / "conformance" / "vendors" / "torchao-mx.xfails"
-needs_torchao = pytest.mark.skipif(installed_version("torchao") is None, reason="torchao is not installed (the trl tier installs it)")
+needs_torchao = pytest.mark.skipif(installed_version("torchao") is None, reason="torchao is not installed (the checkpoint tier installs it)")
 
 
 def test_without_torchao_every_capability_says_why(monkeypatch):
