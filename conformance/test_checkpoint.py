@@ -23,7 +23,7 @@ import pytest
 import torch
 from fp8rl import fixtures
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, check, record_metrics
-from fp8rl.engine import EngineError
+from fp8rl.engine import EngineError, checkpoint_format_reason
 from fp8rl.reference import checkpoint as ck
 from fp8rl.reference import checkpoint_ct as cct
 from fp8rl.reference import weight_sync as ws
@@ -79,15 +79,23 @@ def _class_state_dict(cls: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             "model.layers.0.input_layernorm.weight": torch.ones(w.shape[1], dtype=torch.bfloat16).to(dtype)}
 
 
+def _read_blockwise(path: Path, context: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a checkpoint in the oracle's blockwise form: a compressed-tensors file's validated
+    block-strategy form (weight_scale → weight_scale_inv, fp32: exact; docs/compressed-tensors.md), any other as
+    stored."""
+    config, tensors = ck.read_checkpoint(path)
+    if not cct.is_compressed_tensors(config):
+        return config, tensors
+    try:
+        return cct.to_blockwise(config, tensors)
+    except ck.CheckpointError as exc:
+        raise AssertionError(f"{context}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
+
+
 def _compare_written(path: Path, sd: dict[str, torch.Tensor], policy: ScalePolicy, context: str) -> int:
     """Codes and scales of the file vs the oracle's quantization of sd's BF16 cast (bit for bit); names, dtypes
     and the BF16 tensors kept as they are. Returns the number of quantized weights compared."""
-    config, got = ck.read_checkpoint(path)
-    if cct.is_compressed_tensors(config):  # a compressed-tensors writer: its validated block-strategy file in the
-        try:  # blockwise form (weight_scale → weight_scale_inv, fp32: exact), docs/compressed-tensors.md
-            config, got = cct.to_blockwise(config, got)
-        except ck.CheckpointError as exc:
-            raise AssertionError(f"{context}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
+    config, got = _read_blockwise(path, context)
     want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=policy))
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     assert not missing and not extra, f"{context}: tensor names differ from the oracle's: missing {missing[:6]}, " \
@@ -152,12 +160,7 @@ FINITE_CLASSES = ("zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_am
 def test_checkpoint_writer_finite_exact(engine, cls, tmp_path):
     sd = _class_state_dict(cls, torch.bfloat16)
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-    config, tensors = ck.read_checkpoint(Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd)))
-    if cct.is_compressed_tensors(config):
-        try:
-            config, tensors = cct.to_blockwise(config, tensors)
-        except ck.CheckpointError as exc:
-            raise AssertionError(f"class {cls}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
+    config, tensors = _read_blockwise(Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd)), f"class {cls}")
     fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
     bad, checked = [], 0
     for name, scale in sorted(tensors.items()):
@@ -274,20 +277,16 @@ LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
 
 def _loads_format(engine, fmt: str) -> None:
     """Skip (with the loader's reason) a file format the loader does not declare in ``checkpoint_formats``."""
-    formats = tuple(getattr(engine, "checkpoint_formats", ("fp8",)))
-    if fmt not in formats:
-        note = dict(getattr(engine, "checkpoint_format_notes", {}) or {}).get(fmt)
-        pytest.skip(f"{engine.name} loads quant_method {' / '.join(formats)} checkpoints, not {fmt!r}"
-                    + (f" ({note})" if note else ""))
+    reason = checkpoint_format_reason(engine, fmt)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def _compare_loaded(held: dict, path: Path, context: str) -> None:
     """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype."""
     if not isinstance(held, dict):
         raise AssertionError(f"{context}: checkpoint_load returned {type(held).__name__}, expected a dict")
-    config, tensors = ck.read_checkpoint(path)
-    if cct.is_compressed_tensors(config):
-        config, tensors = cct.to_blockwise(config, tensors)
+    config, tensors = _read_blockwise(path, context)
     want64 = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
     missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
     assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \

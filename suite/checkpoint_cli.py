@@ -164,15 +164,10 @@ def _quant_method(path: Path) -> str | None:
 
 
 def _format_reason(engine: Any, path: Path) -> str | None:
-    """None if the loader reads the file's ``quant_method`` (its engine's ``checkpoint_formats``, default
-    ``("fp8",)``), else why not (with the engine's ``checkpoint_format_notes`` for that format, if any)."""
-    method = _quant_method(path)
-    formats = tuple(getattr(engine, "checkpoint_formats", ("fp8",)))
-    if method in formats:
-        return None
-    note = dict(getattr(engine, "checkpoint_format_notes", {}) or {}).get(method)
-    return (f"{engine.name} loads quant_method {' / '.join(formats)} checkpoints; this file is {method!r}"
-            + (f" ({note})" if note else ""))
+    """None if the loader reads the file's ``quant_method``, else why not (fp8rl.engine.checkpoint_format_reason)."""
+    from fp8rl.engine import checkpoint_format_reason
+
+    return checkpoint_format_reason(engine, _quant_method(path))
 
 
 def known_keys(check: str, model: str, fmt: str | None = None) -> set[str]:

@@ -350,6 +350,17 @@ def capability_reason(engine: Engine, key: str) -> str | None:
     return str(status)
 
 
+def checkpoint_format_reason(engine: Engine, quant_method: str | None) -> str | None:
+    """None if the loader ``engine`` reads checkpoints of ``quant_method`` (its ``checkpoint_formats``, default
+    ``("fp8",)``), else why not (with its ``checkpoint_format_notes`` entry for that format, if any)."""
+    formats = tuple(getattr(engine, "checkpoint_formats", ("fp8",)))
+    if quant_method in formats:
+        return None
+    note = dict(getattr(engine, "checkpoint_format_notes", {}) or {}).get(quant_method)
+    return (f"{engine.name} loads quant_method {' / '.join(formats)} checkpoints; this file is {quant_method!r}"
+            + (f" ({note})" if note else ""))
+
+
 __all__ = ["ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
-           "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "import_failure",
-           "per_tensor_kv_input"]
+           "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "checkpoint_format_reason",
+           "import_failure", "per_tensor_kv_input"]

@@ -10,12 +10,10 @@ import tempfile
 import pytest
 import torch
 from fp8rl import fixtures
-from fp8rl.checks import CHECKS
 from fp8rl.engine import capability_reason
 from fp8rl.engines.checkpoint_hf import HfFp8Engine
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference import checkpoint as ck
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import pinned
 
 PIN = pinned("transformers", "==5.24.0", "Fp8Dequantize._dequantize_one derives the block from the scale grid and "
@@ -39,13 +37,7 @@ def test_without_accelerate_load_says_why(monkeypatch):
 
 
 def test_vendor_xfails_file_is_valid():
-    import fp8rl.conformance.test_checkpoint  # noqa: F401  (registers the CKPT-* checks)
-
-    entries = parse_id_file(XFAILS)
-    assert entries
-    for prefix, reason in entries:
-        assert any(cid.startswith(prefix.split("[")[0]) for cid in CHECKS), f"stale xfail entry {prefix}"
-        assert len(reason) > 80, f"{prefix}: the reason must give the numbers"
+    assert_vendor_xfails_valid(XFAILS, min_reason=81)
 
 
 def _diff(held: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:

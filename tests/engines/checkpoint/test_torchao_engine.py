@@ -15,15 +15,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from fp8rl.checks import all_checks
 from fp8rl.engine import capability_reason
 from fp8rl.engines.torchao_float8 import TorchaoEngine
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference.formats import decode_codes, encode
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, quantize, quantize_with_scale
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import installed_version, pinned
 
 PIN = pinned("torchao", "==0.18.0", "Float8Tensor.from_hp: s = amax/448 with no eps (zero groups NaN); bf16 scale")
@@ -56,12 +54,7 @@ def test_without_torchao_every_capability_says_why(monkeypatch):
 
 
 def test_vendor_xfails_file_is_valid():
-    checks = all_checks()  # every area's checks registered
-    entries = parse_id_file(XFAILS)
-    assert entries
-    for prefix, reason in entries:
-        assert prefix.split("[")[0] in checks, f"stale xfail entry {prefix}"
-        assert len(reason) > 80, f"{prefix}: the reason must give the numbers"
+    assert_vendor_xfails_valid(XFAILS, min_reason=81)
 
 
 @needs_torchao

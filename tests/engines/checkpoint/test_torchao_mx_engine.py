@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8rl.checks import CHECKS
 from fp8rl.engine import capability_reason
 from fp8rl.engines.torchao_mx import TorchaoMXEngine
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference import microscaling as mx
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import installed_version, pinned
 
 PIN = pinned("torchao", "==0.18.0", "to_mx FLOOR stores E8M0 code 0 (2^-127) but divides by 2^-126")
@@ -29,13 +27,7 @@ def test_without_torchao_every_capability_says_why(monkeypatch):
 
 
 def test_vendor_xfails_file_is_valid():
-    import fp8rl.conformance.test_quantization  # noqa: F401  (registers the MX-* checks)
-
-    entries = parse_id_file(XFAILS)
-    assert entries
-    for prefix, reason in entries:
-        assert any(cid.startswith(prefix.split("[")[0]) for cid in CHECKS), f"stale xfail entry {prefix}"
-        assert len(reason) > 80, f"{prefix}: the reason must give the numbers"
+    assert_vendor_xfails_valid(XFAILS, min_reason=81)
 
 
 @needs_torchao

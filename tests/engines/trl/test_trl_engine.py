@@ -8,12 +8,10 @@ import sys
 
 import pytest
 import torch
-from fp8rl.checks import CHECKS
 from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import trl as T
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference import correction as C
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import pinned
 
 PIN = pinned("trl", "==1.16.0", "TRL 1.16.0's GRPO vLLM importance-sampling correction")
@@ -32,13 +30,7 @@ def test_without_trl_every_capability_says_how_to_install(monkeypatch):
 
 
 def test_vendor_xfails_file_is_valid():
-    entries = parse_id_file(XFAILS)
-    assert entries, "trl.xfails has no entries"
-    import fp8rl.conformance.test_correction  # noqa: F401  (registers the CORR-* checks)
-
-    for prefix, reason in entries:
-        assert any(cid.startswith(prefix) for cid in CHECKS), f"stale xfail entry {prefix}"
-        assert len(reason) > 40, f"{prefix}: the reason must explain the finding"
+    assert_vendor_xfails_valid(XFAILS, min_reason=41)
 
 
 @pytest.mark.parametrize("cfg, expected", [

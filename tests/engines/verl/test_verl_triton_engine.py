@@ -14,13 +14,11 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from fp8rl.checks import CHECKS
 from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import verl as V
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference.presets import PRESETS
 from fp8rl.reference.quant import Granularity, quantize
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
@@ -39,14 +37,7 @@ def test_registry_name():
 
 
 def test_vendor_xfails_file_is_valid():
-    entries = parse_id_file(XFAILS)
-    assert entries, "verl-triton.xfails has no entries"
-    import fp8rl.conformance.test_quantization  # noqa: F401  (registers the checks)
-    import fp8rl.conformance.test_weight_sync  # noqa: F401
-
-    for prefix, reason in entries:
-        assert any(cid.startswith(prefix.split("[")[0]) for cid in CHECKS), f"stale xfail entry {prefix}"
-        assert len(reason) > 40, f"{prefix}: the reason must explain the finding"
+    assert_vendor_xfails_valid(XFAILS, min_reason=41)
 
 
 @pytest.mark.skipif(HAVE, reason="verl and triton are installed: the unavailable path is not reachable")

@@ -11,10 +11,9 @@ import pytest
 import torch
 from fp8rl.engine import Unsupported, capability_reason
 from fp8rl.engines import vllm as V
-from fp8rl.plugin import parse_id_file
 from fp8rl.reference.formats import decode_codes, encode
 from fp8rl.reference.quant import Granularity, quantize
-from support import REPO_ROOT
+from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import pinned
 
 #: every test here that needs the installed package pins its behaviour (tests/support/upstream.py)
@@ -48,14 +47,7 @@ def test_without_vllm_every_capability_has_a_reason(no_vllm):
 
 
 def test_vendor_xfails_file_is_valid():
-    entries = parse_id_file(XFAILS)
-    assert entries, "vllm.xfails has no entries"
-    from fp8rl.checks import all_checks
-
-    checks = all_checks()  # every area's checks (the file has entries in several areas)
-    for prefix, reason in entries:
-        assert prefix.split("[")[0] in checks, f"vllm.xfails: unknown check {prefix!r}"
-        assert len(reason) > 40, f"vllm.xfails: {prefix}: the reason must state the finding precisely"
+    assert_vendor_xfails_valid(XFAILS, min_reason=41)
 
 
 def test_registry_string_and_evidence_script_resolve():
