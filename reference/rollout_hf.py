@@ -51,7 +51,8 @@ from fp8rl.reference.rollout import (
 from torch import nn
 
 __all__ = [
-    "RolloutPolicy", "build_hf_model", "cache_kwarg", "to_model_state_dict", "transformers_reason",
+    "RolloutPolicy", "build_hf_model", "cache_kwarg", "checkpoint_policy", "to_model_state_dict",
+    "transformers_reason",
     # re-exported from fp8rl.reference.rollout
     "KV_CALIBRATIONS", "RECIPES", "RolloutOutput", "RolloutRecipe", "first_divergence", "get_recipe",
     "mismatch_metrics", "recipe_with", "single_thread",
@@ -509,3 +510,18 @@ def _as_tokens(t: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name}: expected a (B, T) integer tensor, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
     return t.to(torch.int64)
+
+
+def checkpoint_policy(path: Any) -> RolloutPolicy:
+    """The oracle's model of an FP8 checkpoint directory, for judging what a loader's model computes: every FP8
+    weight w = codes × scale (blockwise ``*_weight_scale_inv`` grids or a compressed-tensors scheme, by the file's
+    ``quant_method``) computed exactly in fp64 and rounded once to BF16
+    (:func:`fp8rl.reference.checkpoint_ct.dequantize_any`), every other tensor as stored, in a BF16 transformers
+    model of the file's config under the ``bf16`` recipe (the trainer's numerics: BF16 GEMMs, BF16 KV).
+    :meth:`RolloutPolicy.score` of it is log π_ckpt(a_t | a_<t), the log-probs a correct loader's model gives."""
+    from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import checkpoint_ct as cct
+
+    config, tensors = ck.read_checkpoint(path)
+    state = cct.dequantize_any(config, tensors, dtype=torch.bfloat16)
+    return RolloutPolicy(config, state, "bf16")

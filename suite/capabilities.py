@@ -96,6 +96,9 @@ def _table() -> dict[str, Capability]:
         Capability("checkpoint.load", "checkpoint", ("checkpoint_load",),
                    "checkpoint_load: the weights a loader holds after loading a blockwise-FP8 checkpoint "
                    "(dequantized, checkpoint names); bad checkpoints raise"),
+        Capability("checkpoint.score", "checkpoint", ("checkpoint_score",),
+                   "checkpoint_score: the log-probs the model a loader loads from a checkpoint gives to given tokens "
+                   "(teacher-forced, its own forward; (B, T - prompt_len) float32)"),
         Capability("checkpoint.attention_scales", "checkpoint", ("checkpoint_attention_scales",),
                    "checkpoint_attention_scales: the q/k/v scales each attention layer uses after loading a checkpoint "
                    "with an FP8 (e4m3) KV cache (layer index → {'q', 'k', 'v'}: the file's k_scale / v_scale / "

@@ -8,8 +8,9 @@ Each writer writes a checkpoint of each model (``tiny-qwen3``: hidden 320, inter
 layout and ``quantization_config`` (the dict verl injects into vLLM). A writer unavailable here whose checkpoints
 already exist under ``--checkpoints`` (written by a run in the writer's own environment) is read from there. Each
 loader with ``checkpoint.load`` loads each checkpoint; a cell is **conformant** when the file is a valid blockwise-FP8
-checkpoint and every weight the loader holds equals codes × block scales of the file exactly (rounded once to the
-held dtype), a **deviation** (with counts and the max error), **error** (the loader raised) or **not run** (the
+checkpoint, every weight the loader holds equals codes × block scales of the file exactly (rounded once to the
+held dtype) and, for a loader with ``checkpoint.score``, its model's log-probs of a rollout sampled from the oracle's
+dequantized model are within the e2e bf16 budgets of the oracle's (CKPT-LOAD-005's statement), a **deviation** (with counts and the max error), **error** (the loader raised) or **not run** (the
 reason). Writes ``matrix.json``, ``matrix.md`` and a self-contained ``matrix.html`` heat map.
 
 Two formats: blockwise FP8 (``quant_method: fp8``, fp8rl.reference.checkpoint) and compressed-tensors FP8
@@ -119,6 +120,34 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
         return {"status": "deviation", "values_differ": n_bad, "values": total, "tensors_differ": n_tensors,
                 "max_abs_err": worst, "detail": first}
     return {"status": "conformant", "values": total, "tensors": len(want64)}
+
+
+def judge_logprobs(engine: Any, path: Path, model: str, cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loader's model vs the oracle's dequantized model of the file (CKPT-LOAD-005's statement): the e2e prompts
+    and 20 tokens sampled from the oracle's model (fp8rl.reference.rollout_hf.checkpoint_policy, sampling seed
+    1234), scored teacher-forced by both; conformant when k3 KL, token_mult_prob_error and max |dlogp| are within
+    the e2e area's bf16 budgets of the model."""
+    from fp8rl import tolerances
+    from fp8rl.conformance import _e2e as E
+    from fp8rl.reference.rollout import mismatch_metrics
+    from fp8rl.reference.rollout_hf import checkpoint_policy
+
+    key = str(path)
+    if cache is None or key not in cache:
+        policy = checkpoint_policy(path)
+        tokens = policy.generate(E.prompts(), E.N_NEW, greedy=False, seed=E.SAMPLE_SEED).tokens
+        scored = (tokens, policy.score(tokens, E.prompt_len()))
+        if cache is not None:
+            cache[key] = scored
+    tokens, lp_oracle = cache[key] if cache is not None else scored
+    lp = engine.checkpoint_score(path, tokens, E.prompt_len())
+    m = mismatch_metrics(lp, lp_oracle)
+    over = [f"{k} {m[k]:.3g} > budget {tolerances.e2e_budget(k, model, 'bf16'):.3g}" for k in E.METRICS
+            if not m[k] <= tolerances.e2e_budget(k, model, "bf16")]
+    out: dict[str, Any] = {k: m[k] for k in (*E.METRICS, "mean_abs_dlogp")}
+    if over:
+        return {**out, "status": "deviation", "detail": "log-probs vs the oracle's dequantized model: " + "; ".join(over)}
+    return {**out, "status": "conformant"}
 
 
 def judge_file(path: Path, model: str) -> dict[str, Any]:
@@ -231,6 +260,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     for (w, m), f in files.items():  # the file judge is WSYNC-BOUND-001's statement: a writer's xfail of it is known
         f["known"] = f["status"] == "deviation" and _known(w, m, "WSYNC-BOUND-001")
     cells = []
+    scored: dict[str, Any] = {}  # the oracle's rollout and log-probs per checkpoint file
     for w in writers:
         for ld in loaders:
             for m in models:
@@ -249,9 +279,15 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
                 else:
                     try:
                         cell.update(judge(engines[ld].checkpoint_load(src), src))
+                        if capability_reason(engines[ld], "checkpoint.score") is None:
+                            cell["logprobs"] = judge_logprobs(engines[ld], src, m, scored)
+                            if cell["logprobs"]["status"] != "conformant" and cell["status"] == "conformant":
+                                cell.update(status="deviation", detail=cell["logprobs"]["detail"])
                     except Exception as exc:  # noqa: BLE001 - a loader failure is a cell outcome
                         cell.update(status="error", detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                cell["known"] = cell["status"] in ("deviation", "error") and _known(ld, m, fmt=fmt)
+                by_logprobs = cell.get("logprobs", {}).get("status") == "deviation" and "values_differ" not in cell
+                cell["known"] = cell["status"] in ("deviation", "error") and _known(
+                    ld, m, "CKPT-LOAD-005" if by_logprobs else "CKPT-LOAD-001", fmt=fmt)
                 cells.append(cell)
     doc = {"writers": {w: str(engines[w].version()) for w in writers},
            "loaders": {ld: str(engines[ld].version()) for ld in loaders}, "models": models, "cells": cells,
@@ -268,7 +304,9 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
 
 def _label(c: dict[str, Any]) -> str:
     if c["status"] == "conformant":
-        return "conformant"
+        lp = c.get("logprobs")
+        return "conformant" + (f" (log-probs: max Δlogp {lp['max_abs_dlogp']:.3g}, k3 KL {lp['k3_kl']:.3g})"
+                               if lp else "")
     if c["status"] == "deviation" and "values_differ" in c:
         return f"deviation{' (known)' if c['known'] else ''}: {c['values_differ']}/{c['values']} values in " \
                f"{c['tensors_differ']} tensors, max err {c['max_abs_err']:.3g}"

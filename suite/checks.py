@@ -334,6 +334,17 @@ class GuardedEngine:
     def mx_weight_sync(self, state_dict: Any, recipe: str) -> dict[str, torch.Tensor]:
         return self._synced_dict("mx_weight_sync", state_dict, recipe)
 
+    def checkpoint_score(self, path: Any, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Validated: log-probs (B, T − prompt_len) float32, finite, ≤ ``rollout_logprob_slack``, on the CPU."""
+        out = self._call("checkpoint_score", path, tokens, prompt_len)
+        what = f"{self.name}.checkpoint_score"
+        _expect_tensor(out, what, shape=(tokens.shape[0], tokens.shape[1] - prompt_len), dtype=torch.float32)
+        out = out.cpu()
+        bad = ~torch.isfinite(out) | (out > tolerances.get("rollout_logprob_slack").value)
+        if bool(bad.any()):
+            raise EngineError(f"{what}: log-probs must be finite and ≤ 0 (first bad at {bad.nonzero()[:3].tolist()})")
+        return out
+
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         handle = self._call("rollout_init", config, state_dict, recipe)
         self._vocab[id(handle)] = int(config["vocab_size"]) if isinstance(config, dict) and "vocab_size" in config \

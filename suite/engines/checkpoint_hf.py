@@ -24,6 +24,9 @@ the engine decompresses it with compressed-tensors' own ``decompress_module`` (t
 oracle's) before reading the parameters. Without compressed-tensors the format is declared not loaded, with the
 reason.
 
+``checkpoint_score`` (capability ``checkpoint.score``, CKPT-LOAD-005) scores tokens with the loaded model's own
+forward: the log-probs the trainer or reference model that loads the file would compute.
+
 Writing is not available: transformers quantizes to FP8 on load only with a GPU (``validate_environment`` raises
 "No GPU or XPU found" for a non-pre-quantized model), so it has no CPU FP8 writer. Needs ``accelerate`` (the FP8
 quantizer imports it): it runs in the ``checkpoint`` tier (``nox -s conformance_checkpoint``), whose environment has
@@ -138,12 +141,13 @@ class HfFp8Engine(Engine):
     def capabilities(self) -> CapabilityMap:
         reason = self._load_reason()
         return {"checkpoint.load": True if reason is None else reason, "checkpoint.write": _WRITE_REASON,
+                "checkpoint.score": True if reason is None else reason,
                 "checkpoint.attention_scales": _KV_REASON}
 
-    def checkpoint_load(self, path: Any) -> dict[str, torch.Tensor]:
-        """The parameters ``transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` holds,
-        under the checkpoint's names (fused experts split per expert); a compressed-tensors checkpoint is loaded with
-        ``quantization_config=CompressedTensorsConfig(dequantize=True)`` (see the module docstring)."""
+    def _load_model(self, path: Any) -> Any:
+        """``transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` (a compressed-tensors
+        checkpoint with ``quantization_config=CompressedTensorsConfig(dequantize=True)``, see the module docstring);
+        a failed weight conversion raises naming transformers' first conversion error."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
@@ -176,6 +180,12 @@ class HfFp8Engine(Engine):
                 hf_logging.enable_progress_bar()
         if compressed:
             _decompress_left_over(model)
+        return model.eval()
+
+    def checkpoint_load(self, path: Any) -> dict[str, torch.Tensor]:
+        """The parameters the model :meth:`_load_model` loads holds, under the checkpoint's names (fused experts
+        split per expert)."""
+        model = self._load_model(path)
         out: dict[str, torch.Tensor] = {}
         for name, t in model.state_dict().items():
             m = _EXPERTS.match(name)
@@ -193,3 +203,11 @@ class HfFp8Engine(Engine):
         if getattr(model.config, "tie_word_embeddings", False):
             out.pop("lm_head.weight", None)
         return out
+
+    def checkpoint_score(self, path: Any, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """log π(tokens[:, t] | tokens[:, :t]) for t ≥ ``prompt_len`` under the model :meth:`_load_model` loads: one
+        teacher-forced forward (its own BF16 modules), log-softmax of the fp32 logits: (B, T − prompt_len) float32."""
+        model = self._load_model(path)
+        with torch.inference_mode():
+            logits = model(input_ids=tokens).logits[:, prompt_len - 1 : -1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, prompt_len:, None]).squeeze(-1)

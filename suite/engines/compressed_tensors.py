@@ -122,6 +122,8 @@ class CompressedTensorsEngine(Engine):
         caps["checkpoint.load"] = ("compressed-tensors loads only its own format (ModelCompressor.decompress_model "
                                    "under transformers' CompressedTensorsHfQuantizer); the loader checks feed "
                                    "blockwise-FP8 (quant_method fp8) checkpoints")
+        caps["checkpoint.score"] = ("compressed-tensors runs no model of its own: the model that loads its files is "
+                                    "transformers' (engine hf-fp8, checkpoint.score)")
         caps["checkpoint.attention_scales"] = "compressed-tensors has no FP8 KV cache to run (vLLM's)"
         return caps
 

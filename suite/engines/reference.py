@@ -55,6 +55,7 @@ class ReferenceEngine(Engine):
         for area in ("formats", "quantization", "gemm", "kv", "correction", "weight_sync", "checkpoint"):
             caps.update(capabilities.all_of(area))
         caps.update(self._caps_e2e())
+        caps["checkpoint.score"] = caps["rollout"]  # a transformers model of the checkpoint, as the rollouts
         return caps
 
     def cast_overflow(self, fmt: str) -> formats.OverflowPolicy:
@@ -230,6 +231,13 @@ class ReferenceEngine(Engine):
 
         config, tensors = ck.read_checkpoint(path)
         return cct.dequantize_any(config, tensors)
+
+    def checkpoint_score(self, path, tokens, prompt_len):
+        """The oracle's dequantized model of the checkpoint (fp8rl.reference.rollout_hf.checkpoint_policy) scoring
+        ``tokens[:, prompt_len:]``."""
+        from fp8rl.reference.rollout_hf import checkpoint_policy
+
+        return checkpoint_policy(path).score(tokens, prompt_len)
 
     def checkpoint_attention_scales(self, path):
         """The oracle's attention scales: the file's (validated), the documented defaults where absent."""

@@ -129,6 +129,8 @@ class TorchaoEngine(Engine):
         caps["checkpoint.load"] = _NOT_TORCHAO.format(
             what="loader of DeepSeek-V3 weight_scale_inv checkpoints (its own format is a pickled Float8Tensor "
                  "state dict / safetensors with torchao metadata)")
+        caps["checkpoint.score"] = _NOT_TORCHAO.format(what="loader of DeepSeek-V3 weight_scale_inv checkpoints, "
+                                                            "so no loaded model to score with")
         caps["checkpoint.attention_scales"] = _NOT_TORCHAO.format(what="FP8 KV cache")
         for k in capabilities.keys(prefix="mx_"):
             caps[k] = "torchao's microscaling formats (prototype.mx_formats to_mx) are the 'torchao-mx' engine"

@@ -261,6 +261,49 @@ class LoaderBlockFromGrid(ReferenceEngine):
         return out
 
 
+# -- the loaded model's forward (CKPT-LOAD-005): weights read back right, computed with others ----------------------
+
+def _score_with(path, tokens, prompt_len, scale_read):
+    """A loader whose model computes with codes x ``scale_read(name, grid)`` (its kernel's reading of the block
+    scale grid) while :meth:`checkpoint_load` reports the file's weights exactly (the oracle reader): a loader that
+    keeps FP8 codes and scales and dequantizes or scales inside its forward."""
+    from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import checkpoint_ct as cct
+    from fp8rl.reference import weight_sync as ws
+    from fp8rl.reference.rollout_hf import RolloutPolicy
+
+    config, tensors = ck.read_checkpoint(path)
+    if cct.is_compressed_tensors(config):
+        config, tensors = cct.to_blockwise(config, tensors)
+    block = tuple(config["quantization_config"]["weight_block_size"])
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(ws.SCALE_SUFFIX):
+            continue
+        sname = ws.scale_name(name)
+        state[name] = ck.dequantize_exact(t, scale_read(name, tensors[sname].float()), block, torch.bfloat16) \
+            if sname in tensors else t
+    return RolloutPolicy(config, state, "bf16").score(tokens, prompt_len)
+
+
+@mutant("ckpt-loader-forward-scale-layout", "the loader holds the file's codes and scale grids and reads them back "
+        "right, but its GEMM kernel reads the row-major [N/Bn, K/Bk] scale buffer as column-major (a kernel written "
+        "for K-major scales, as DeepGEMM-style kernels want them)", kills=("CKPT-LOAD-005",))
+class LoaderForwardScaleLayout(ReferenceEngine):
+    def checkpoint_score(self, path, tokens, prompt_len):
+        return _score_with(path, tokens, prompt_len,
+                           lambda name, s: s.reshape(s.shape[1], s.shape[0]).t())
+
+
+@mutant("ckpt-loader-forward-experts-per-tensor", "the loader's fused-MoE forward folds each expert's block scales "
+        "into one scale per weight (the first block's), while its dense layers and its read-back are right",
+        kills=("CKPT-LOAD-005",))
+class LoaderForwardExpertsPerTensor(ReferenceEngine):
+    def checkpoint_score(self, path, tokens, prompt_len):
+        return _score_with(path, tokens, prompt_len,
+                           lambda name, s: s[:1, :1].expand_as(s) if ".mlp.experts." in name else s)
+
+
 # -- attention (KV cache / query) scales stored in the checkpoint --------------------------------------------------
 
 def _attention_scales_with(path, rule):

@@ -146,3 +146,23 @@ def test_matrix_known_is_format_aware_exact(tmp_path, monkeypatch, entries, rc, 
     assert cells["reference"]["format"] == "fp8" and cells["compressed-tensors"]["format"] == "compressed-tensors"
     assert cells["reference"]["status"] == cells["compressed-tensors"]["status"] == "error"
     assert cells["reference"]["known"] is known_fp8 and cells["compressed-tensors"]["known"] is known_ct
+
+
+def test_matrix_logprobs_deviation_of_a_loader_whose_forward_misreads_scales(tmp_path):
+    """A loader that reads the file's weights back exactly but computes with a column-major reading of the scale
+    grids: its held weights are exact, so only the log-prob comparison (CKPT-LOAD-005's statement) makes the cell a
+    deviation; the correct loader's cell is conformant with the oracle's log-probs exactly."""
+    out = tmp_path / "m"
+    rc = main(["checkpoint-matrix", "--writer", "reference", "--loader", "reference", "--loader",
+               "mutant:ckpt-loader-forward-scale-layout", "--model", "tiny-qwen3", "--out", str(out)])
+    assert rc == 1
+    cells = {c["loader"]: c for c in json.loads((out / "matrix.json").read_text())["cells"]}
+    good, bad = cells["reference"], cells["mutant:ckpt-loader-forward-scale-layout"]
+    assert good["status"] == "conformant" and good["logprobs"]["max_abs_dlogp"] == 0.0
+    assert bad["status"] == "deviation" and "values_differ" not in bad and not bad["known"]
+    from fp8rl import tolerances
+
+    assert bad["logprobs"]["status"] == "deviation"
+    assert bad["logprobs"]["k3_kl"] > 10 * tolerances.e2e_budget("k3_kl", "tiny-qwen3", "bf16")
+    assert "log-probs vs the oracle's dequantized model: k3_kl" in bad["detail"]
+    assert "conformant (log-probs: max Δlogp 0, k3 KL 0)" in (out / "matrix.md").read_text()

@@ -25,7 +25,7 @@ from ._common import _vllm_version, vllm_reason
 CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
                              "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.mxfp8",
                              "rollout.nvfp4-experts", "rollout.logits",
-                             "checkpoint.load", "checkpoint.write", "checkpoint.attention_scales")
+                             "checkpoint.load", "checkpoint.score", "checkpoint.write", "checkpoint.attention_scales")
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -57,6 +57,8 @@ class VllmLLMMixin:
         caps["checkpoint.load"] = (f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start "
                                    "without AMX (measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support "
                                    "(Sapphire Rapids or newer)'), so the adapter has no checkpoint_load (docs/checkpoint.md)")
+        caps["checkpoint.score"] = (f"vllm {v} on CPU: a model with FP8 weights from a checkpoint does not start "
+                                    "(checkpoint.load's reason), so there is no loaded model to score with")
         caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"
         caps["checkpoint.attention_scales"] = True
         return caps

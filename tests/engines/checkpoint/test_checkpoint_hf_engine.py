@@ -244,3 +244,19 @@ def test_interop_matrix_compressed_tensors_writer_cells(tmp_path):
         "group_size 106" in dense["detail"] or "tensor a (4) must match the size of tensor b (3)" in dense["detail"])
     assert moe["status"] == "error" and moe["known"], moe
     assert "mlp.experts" in moe["detail"] and "tensor a (256) must match the size of tensor b (2)" in moe["detail"]
+
+
+@PIN
+@needs_loader
+def test_loaded_moe_scores_like_the_oracle_exact():
+    """CKPT-LOAD-005 where transformers loads the file (blockwise tiny-qwen3-moe): the loaded model's own forward
+    gives the oracle's dequantized model's log-probs bit for bit (both are BF16 transformers models holding the same
+    weights); the teacher-forced tokens are the oracle's sampled rollout."""
+    from fp8rl.conformance import _e2e as E
+    from fp8rl.conformance import test_checkpoint as tc
+
+    path = tc._oracle_checkpoint("tiny-qwen3-moe")
+    tokens, lp_oracle = tc._oracle_scored(path, E.sampling_seed(0))
+    lp = HfFp8Engine().checkpoint_score(path, tokens, E.prompt_len())
+    assert lp.dtype == torch.float32 and lp.shape == lp_oracle.shape
+    assert torch.equal(lp, lp_oracle), float((lp - lp_oracle).abs().max())
