@@ -302,3 +302,22 @@ def test_finding_fp32_masters_ship_unquantized_tensors_in_fp32(eng):
     for k in ws.quantized_names(master):
         assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
         assert torch.equal(got[ws.scale_name(k)], want[ws.scale_name(k)])
+
+
+@PIN
+@verl_ws_only
+def test_checkpoint_matrix_verl_writer_conformant(tmp_path):
+    """The interop matrix with veRL as the writer (its weight sync's tensors and the quantization_config it injects
+    into vLLM, in the blockwise layout): every file within the round-trip bound of the BF16 weights, the oracle loader
+    holds codes x scales exactly and its model gives the oracle's log-probs; `fp8rl checkpoint-matrix` exits 0."""
+    import json
+
+    from fp8rl.cli import main
+
+    out = tmp_path / "m"
+    assert main(["checkpoint-matrix", "--writer", "verl", "--loader", "reference", "--out", str(out)]) == 0
+    doc = json.loads((out / "matrix.json").read_text())
+    assert doc["writers"]["verl"].startswith("verl 0.9.1")
+    assert [(c["model"], c["status"], c["file"]["status"]) for c in doc["cells"]] == [
+        ("tiny-qwen3", "conformant", "conformant"), ("tiny-qwen3-moe", "conformant", "conformant")]
+    assert all(c["logprobs"]["max_abs_dlogp"] == 0.0 for c in doc["cells"])
