@@ -129,6 +129,35 @@ def kill_traced_processes(trace_dir: Path | None) -> int:
     return n
 
 
+def oom_kills() -> int | None:
+    """The kernel's count of OOM kills on this machine (``oom_kill`` of /proc/vmstat, Linux ≥ 4.13); None where it
+    cannot be read."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+#: the OOM-kill count when the supervising process imported this module (the start of its run)
+OOM_KILLS_AT_START = oom_kills()
+
+
+def _oom_evidence() -> str:
+    """What /proc/vmstat says about OOM kills since :data:`OOM_KILLS_AT_START` (empty where unreadable)."""
+    now = oom_kills()
+    if now is None or OOM_KILLS_AT_START is None:
+        return ""
+    n = now - OOM_KILLS_AT_START
+    if n > 0:
+        return (f"the kernel's OOM killer killed {n} process{'es' if n > 1 else ''} on this machine since the run "
+                "started (/proc/vmstat oom_kill; not necessarily this one)")
+    return "no OOM kill on this machine since the run started (/proc/vmstat oom_kill unchanged)"
+
+
 def describe_death(trace_dir: Path | None, process: str, *, timeout_s: float | None = None) -> str:
     """Why a process that ran engine code died, from its trace files: the fatal signal faulthandler saw (or none:
     SIGKILL, e.g. the OOM killer, or an ``os._exit``), and the engine op it was in and for how long."""
@@ -159,8 +188,11 @@ def describe_death(trace_dir: Path | None, process: str, *, timeout_s: float | N
     else:
         parts.append("no fatal-signal report (killed with SIGKILL, e.g. by the OOM killer, or it exited)")
     parts.append(f"inside engine op {op!r} for {elapsed:.1f} s" if op else "not inside an engine op")
+    if not fatal and not hung and (oom := _oom_evidence()):
+        parts.append(oom)
     return "; ".join(parts)
 
 
-__all__ = ["JOURNAL_NAME", "TRACE_DIR_NAME", "TRACE_ENV", "Journal", "OpTrace", "describe_death", "enter_op",
-           "kill_traced_processes", "leave_op", "read_journal", "set_current_node", "start_trace"]
+__all__ = ["JOURNAL_NAME", "OOM_KILLS_AT_START", "TRACE_DIR_NAME", "TRACE_ENV", "Journal", "OpTrace", "describe_death",
+           "enter_op", "kill_traced_processes", "leave_op", "oom_kills", "read_journal", "set_current_node",
+           "start_trace"]

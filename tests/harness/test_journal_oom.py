@@ -1,0 +1,32 @@
+"""The evidence a dead worker's message carries about the kernel's OOM killer (/proc/vmstat ``oom_kill``)."""
+
+from __future__ import annotations
+
+from fp8rl import journal as J
+
+
+def test_sigkilled_worker_names_oom_kills_since_the_run_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(J, "OOM_KILLS_AT_START", 3)
+    monkeypatch.setattr(J, "oom_kills", lambda: 5)
+    why = J.describe_death(tmp_path, "gw0")
+    assert "no fatal-signal report" in why
+    assert "the kernel's OOM killer killed 2 processes on this machine since the run started" in why
+
+
+def test_sigkilled_worker_without_oom_kill_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(J, "OOM_KILLS_AT_START", 3)
+    monkeypatch.setattr(J, "oom_kills", lambda: 3)
+    assert "no OOM kill on this machine since the run started" in J.describe_death(tmp_path, "gw0")
+
+
+def test_unreadable_vmstat_adds_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(J, "oom_kills", lambda: None)
+    assert "OOM kill" not in J.describe_death(tmp_path, "gw0").replace("by the OOM killer", "")
+
+
+def test_fatal_signal_carries_no_oom_evidence(tmp_path, monkeypatch):
+    (tmp_path / "gw0.fault").write_text("Fatal Python error: Segmentation fault\n")
+    monkeypatch.setattr(J, "OOM_KILLS_AT_START", 0)
+    monkeypatch.setattr(J, "oom_kills", lambda: 1)
+    why = J.describe_death(tmp_path, "gw0")
+    assert why.startswith("fatal signal: Segmentation fault") and "OOM killer killed" not in why
