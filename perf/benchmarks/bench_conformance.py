@@ -87,3 +87,42 @@ class Conformance(Benchmark):
     track_failed_or_error.unit = "checks"  # type: ignore[attr-defined]
     track_skipped.unit = "checks"  # type: ignore[attr-defined]
     track_wall_s.unit = "seconds"  # type: ignore[attr-defined]
+
+
+MISMATCH_CHECK = "E2E-MISMATCH-001"
+
+
+def _mismatch() -> dict[tuple[str, str], float]:
+    """(series, case) -> k3 KL of the engine's rollouts against the BF16 trainer, from each report's
+    E2E-MISMATCH-001 cases (case = "<model>-<recipe>"; the e2e area's own measurement: 8 prompts x 20 sampled tokens)
+    that ran (passed, failed or xfailed) and recorded it."""
+    out: dict[tuple[str, str], float] = {}
+    for series, rep in _reports().items():
+        for c in rep.get("checks", []):
+            k3 = (c.get("metrics") or {}).get("k3_kl")
+            if c.get("id") == MISMATCH_CHECK and c.get("outcome") in ("passed", "failed", "xfailed") \
+                    and isinstance(k3, (int, float)):
+                out[(series, str(c.get("case")))] = float(k3)
+    return out
+
+
+_MISMATCH = _mismatch()
+_MISMATCH_SERIES = sorted({s for s, _ in _MISMATCH}) or ["(no FP8RL_ASV_REPORTS)"]
+_MISMATCH_CASES = sorted({c for _, c in _MISMATCH}) or ["(none)"]
+
+
+class Mismatch(Benchmark):
+    """k3 KL(π_rollout ‖ π_bf16-trainer) per engine and e2e case (model-recipe), as its conformance run measured it:
+    a real engine's train-inference mismatch next to the oracle's, so a kernel change that widens it is a step."""
+
+    params = (_MISMATCH_SERIES, _MISMATCH_CASES)
+    param_names = ["engine", "case"]
+
+    def setup(self, engine, case):
+        if (engine, case) not in _mismatch():
+            raise NotImplementedError(f"{ENV} names no {MISMATCH_CHECK}[{case}] measurement of {engine!r}")
+
+    def track_k3_kl(self, engine, case):
+        return _mismatch()[(engine, case)]
+
+    track_k3_kl.unit = "nats/token"  # type: ignore[attr-defined]

@@ -152,6 +152,45 @@ def test_conformance_tracks_read_the_reports_named_by_the_env_var(tmp_path, monk
     assert bc.Conformance.params == ["(no FP8RL_ASV_REPORTS)"]
 
 
+def test_mismatch_tracks_read_each_engines_e2e_k3_kl(tmp_path, monkeypatch):
+    import importlib
+
+    from fp8rl.reports import summarize
+
+    def check(case: str, outcome: str, k3: float | None) -> dict:
+        return {"id": "E2E-MISMATCH-001", "area": "e2e", "title": "t", "nodeid": f"n::{case}", "case": case,
+                "outcome": outcome, "message": "", "bound": "e2e_mismatch",
+                "metrics": {} if k3 is None else {"k3_kl": k3}, "duration_s": 0.0}
+
+    runs = {"reference": [check("tiny-qwen3-fp8-kv", "passed", 0.0015), check("tiny-qwen3-bf16", "passed", 2.7e-4)],
+            "vllm": [check("tiny-qwen3-fp8-kv", "failed", 0.25), check("tiny-qwen3-bf16", "skipped", None),
+                     check("tiny-qwen3-fp8-all", "error", 9.0)]}
+    for name, checks in runs.items():
+        report = {"schema_version": "1.0", "suite": {"name": "fp8rl", "version": "0.1.0"}, "kind": "conformance",
+                  "engine": {"name": name, "version": "1", "capabilities": {}},
+                  "environment": {"python": "3.11", "torch": "2.13.0", "numpy": "2.4", "platform": "linux",
+                                  "device": "cpu", "cpu": "x"}, "profile": "ci", "seed": 0,
+                  "started_at": "2026-12-01T00:00:00+00:00", "duration_s": 1.0, "command": ["fp8rl"],
+                  "summary": summarize(checks), "checks": checks, "warnings": [], "sections": {}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
+    monkeypatch.setenv("FP8RL_ASV_REPORTS", os.pathsep.join(str(tmp_path / n) for n in runs))
+    import benchmarks.bench_conformance as bc
+
+    bc = importlib.reload(bc)
+    assert bc.Mismatch.params == (["reference", "vllm"], ["tiny-qwen3-bf16", "tiny-qwen3-fp8-kv"])
+    b = bc.Mismatch()
+    b.setup("vllm", "tiny-qwen3-fp8-kv")  # a failed check still measured its rollouts: the step to see
+    assert b.track_k3_kl("vllm", "tiny-qwen3-fp8-kv") == 0.25
+    assert b.track_k3_kl("reference", "tiny-qwen3-bf16") == 2.7e-4
+    for engine, case in (("vllm", "tiny-qwen3-bf16"), ("vllm", "tiny-qwen3-fp8-all")):  # skipped / error: no value
+        with pytest.raises(NotImplementedError):
+            b.setup(engine, case)
+    monkeypatch.delenv("FP8RL_ASV_REPORTS")
+    assert importlib.reload(bc).Mismatch.params == (["(no FP8RL_ASV_REPORTS)"], ["(none)"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a real published dashboard in a real browser, with no network
 
