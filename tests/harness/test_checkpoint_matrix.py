@@ -123,6 +123,10 @@ class _RaisingLoader(Engine):
     (["CKPT-LOAD-001[tiny-qwen3-moe]"], 1, True, False),  # the fp8 entry: the compressed-tensors cell is not known
     (["CKPT-LOAD-001[compressed-tensors:tiny-qwen3-moe]"], 1, False, True),
     (["CKPT-LOAD-001[fp8:tiny-qwen3-moe]", "CKPT-LOAD-001[compressed-tensors:tiny-qwen3-moe]"], 0, True, True),
+    # an entry is a prefix, as in a conformance run: the unclosed case and the bare check id cover their cells
+    (["CKPT-LOAD-001[tiny-qwen3-moe"], 1, True, False),
+    (["CKPT-LOAD-001"], 0, True, True),
+    (["CKPT-LOAD-001[tiny-qwen3-moe-x]"], 1, False, False),
 ])
 def test_matrix_known_is_format_aware_exact(tmp_path, monkeypatch, entries, rc, known_fp8, known_ct):
     import fp8rl.registry

@@ -155,3 +155,24 @@ def test_raw_interpreter_conversions_change_codes_not_scales(eng):
     assert torch.equal(raw.scale, ref.scale)
     frac = float((raw.codes != ref.codes).float().mean())
     assert 0.01 < frac < 0.3, frac
+
+
+@PIN
+@needs
+def test_checkpoint_matrix_verl_triton_writer(tmp_path):
+    """The interop matrix with veRL's default (Triton) path as the writer: tiny-qwen3 conformant end to end (file
+    within bound, oracle loader exact, log-probs exact); tiny-qwen3-moe's file carries the squeeze(-1) finding (16
+    expert down_proj scales of shape (2,)): a known file deviation (WSYNC-BOUND-001[tiny-qwen3-moe]) and a loader
+    error that names the tensor, not a silent load, so the matrix exits 1."""
+    import json
+
+    from fp8rl.cli import main
+
+    out = tmp_path / "m"
+    assert main(["checkpoint-matrix", "--writer", "verl-triton", "--loader", "reference", "--out", str(out)]) == 1
+    cells = {c["model"]: c for c in json.loads((out / "matrix.json").read_text())["cells"]}
+    dense, moe = cells["tiny-qwen3"], cells["tiny-qwen3-moe"]
+    assert (dense["status"], dense["file"]["status"], dense["logprobs"]["max_abs_dlogp"]) == ("conformant",
+                                                                                              "conformant", 0.0)
+    assert moe["file"]["status"] == "deviation" and moe["file"]["known"]
+    assert moe["status"] == "error" and "down_proj.weight_scale_inv" in moe["detail"] and not moe["known"]
