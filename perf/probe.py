@@ -7,7 +7,8 @@ What is measured (best of ``repeats`` after one warm-up, as STREAM reports best 
   streams weights and KV, read-dominated traffic);
 * dense matmul throughput, ``n × n × n`` (2n³ FLOP): fp32 and bf16;
 * FP8: ``torch._scaled_mm`` on float8_e4m3fn operands with per-tensor fp32 scales and a bf16 output, when this torch
-  build supports it on the device (PyTorch's CPU build does, through oneDNN). Where it does not, the reason is
+  build supports it on the device (PyTorch's CPU build does, through oneDNN), on an n small enough that one call
+  stays within ``FP8_CALL_BUDGET_S`` (a slow fallback path is measured, not waited on). Where it does not, the reason is
   recorded and ``fp8_dense_flops`` takes the bf16 number (the model then predicts no FP8 compute gain, which is what
   such a machine gets).
 
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["probe", "write_probe", "probe_file"]
+__all__ = ["FP8_CALL_BUDGET_S", "fp8_matmul_size", "probe", "write_probe", "probe_file"]
 
 
 def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
@@ -105,6 +106,23 @@ def _stream(timed: Callable[[Callable[[], Any]], float], device: str, size_mib: 
     return numel * 4, t_copy, t_triad
 
 
+#: the longest one FP8 ``_scaled_mm`` of the probe should take (s). Where the device's FP8 GEMM is a slow fallback
+#: (measured: PyTorch 2.13's CPU ``_scaled_mm`` on a Sapphire-Rapids-class CPU, 0.11 GFLOP/s, 2.4 s for 512³ against
+#: 5 ms in BF16: 2048³ would take ~5 min a call) the FP8 rate is measured on a smaller n instead
+FP8_CALL_BUDGET_S = 2.0
+#: the size of the one pilot call that sizes the FP8 measurement
+FP8_PILOT_N = 128
+
+
+def fp8_matmul_size(t_pilot: float, pilot_n: int, n: int, budget_s: float = FP8_CALL_BUDGET_S) -> int:
+    """The FP8 matmul size to measure: ``n`` halved until a call's estimated time, ``t_pilot · (size / pilot_n)³``
+    (a GEMM's time grows with its FLOPs), is within ``budget_s``; never below ``pilot_n``."""
+    size = n
+    while size > pilot_n and t_pilot * (size / pilot_n) ** 3 > budget_s:
+        size //= 2
+    return max(size, pilot_n)
+
+
 def probe(device: str | None = None, *, size_mib: int | None = None, matmul_n: int | None = None, repeats: int = 5,
           name: str | None = None) -> dict[str, Any]:
     """Measure ``device`` (``cpu``, ``cuda``; default: cuda when available); returns ``{"name": ..., "entry": {...}}``,
@@ -132,14 +150,18 @@ def probe(device: str | None = None, *, size_mib: int | None = None, matmul_n: i
     t_fp32 = _best(timed, lambda: torch.mm(x32, y32), repeats)
     xb, yb = x32.bfloat16(), y32.bfloat16()
     t_bf16 = _best(timed, lambda: torch.mm(xb, yb), repeats)
-    fp8: dict[str, Any] = {"supported": False, "flops": None, "reason": None}
+    fp8: dict[str, Any] = {"supported": False, "flops": None, "reason": None, "n": None}
     try:
-        x8 = x32.to(torch.float8_e4m3fn)
-        y8 = y32.t().contiguous().to(torch.float8_e4m3fn)  # _scaled_mm wants a column-major second operand
         one = torch.tensor(1.0, device=device)
-        t_fp8 = _best(timed, lambda: torch._scaled_mm(x8, y8.t(), scale_a=one, scale_b=one,
-                                                      out_dtype=torch.bfloat16), repeats)
-        fp8 = {"supported": True, "flops": flop / t_fp8, "reason": None}
+
+        def scaled_mm(k: int) -> Callable[[], Any]:
+            x8 = x32[:k, :k].to(torch.float8_e4m3fn)
+            y8 = y32[:k, :k].t().contiguous().to(torch.float8_e4m3fn)  # _scaled_mm wants a column-major operand
+            return lambda: torch._scaled_mm(x8, y8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        n8 = fp8_matmul_size(timed(scaled_mm(min(n, FP8_PILOT_N))), min(n, FP8_PILOT_N), n)
+        t_fp8 = _best(timed, scaled_mm(n8), repeats)
+        fp8 = {"supported": True, "flops": 2.0 * n8**3 / t_fp8, "reason": None, "n": n8}
     except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
         fp8["reason"] = f"torch {torch.__version__} _scaled_mm on {device}: {type(exc).__name__}: {str(exc)[:200]}"
     bf16_flops = flop / t_bf16
@@ -164,13 +186,16 @@ def probe(device: str | None = None, *, size_mib: int | None = None, matmul_n: i
                    "copy_s": t_copy, "triad_s": t_triad},
         "matmul": {"n": n, "fp32_flops": flop / t_fp32, "bf16_flops": bf16_flops,
                    "fp8_scaled_mm_flops": fp8["flops"], "fp8_supported": fp8["supported"],
-                   "fp8_reason": fp8["reason"]},
+                   "fp8_n": fp8["n"], "fp8_reason": fp8["reason"]},
     }
     source = (f"measured by `fp8rl perf hardware --probe` on {when} ({dev_name}, {device}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, load {load if load is None else round(load, 2)}): bandwidth = "
               f"max(STREAM copy, triad) on {size_mib} MiB; FLOP/s = best of {repeats} {n}^3 matmuls")
     if not fp8["supported"]:
         source += f"; fp8_dense_flops = the bf16 figure ({fp8['reason']})"
+    elif fp8["n"] != n:
+        source += (f"; the FP8 _scaled_mm rate on {fp8['n']}^3 (at {n}^3 one call would take over "
+                   f"{FP8_CALL_BUDGET_S:g} s: a slow FP8 GEMM path on this device)")
     entry = {"class": cls, "match": [dev_name], "hbm_bytes": _total_memory(device),
              "hbm_bandwidth_Bps": max(copy_bps, triad_bps), "bf16_dense_flops": bf16_flops,
              "fp8_dense_flops": fp8["flops"] if fp8["supported"] else bf16_flops, "source": source,

@@ -132,3 +132,14 @@ def test_probe_cli_writes_a_loadable_file(tmp_path, capsys):
                "--repeats", "1", "--out", str(out)])
     assert rc == 0 and pm.load_hardware(str(out)).cls == "cpu"
     assert "bandwidth" in capsys.readouterr().out
+
+
+def test_fp8_matmul_size_shrinks_a_slow_fp8_path_exact():
+    from fp8rl.perf.probe import fp8_matmul_size
+
+    # a fast path keeps the full size; a slow one (10 ms for 128^3: 2048^3 would take 41 s) is measured at the
+    # largest halving whose estimate (cubic in the size) is within the 2 s budget: 512 (0.64 s; 1024 would be 5.1 s)
+    assert fp8_matmul_size(1e-5, 128, 2048) == 2048
+    assert fp8_matmul_size(0.01, 128, 2048) == 512
+    assert fp8_matmul_size(10.0, 128, 2048) == 128  # never below the pilot's size
+    assert fp8_matmul_size(0.01, 128, 2048, budget_s=100.0) == 2048
