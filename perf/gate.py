@@ -99,6 +99,12 @@ class Claim:
         classes = [self.hardware_class] if isinstance(self.hardware_class, str) else list(self.hardware_class)
         if "*" not in classes and (hw_cls or "").lower() not in {c.lower() for c in classes}:
             return False, f"hardware class {hw_cls} not in {classes}"
+        if "cpu_amx" in self.applies_when:
+            feats = (result.get("hardware") or {}).get("cpu_features")
+            if feats is None:
+                return False, "the result does not record its CPU's features (claim needs cpu_amx)"
+            if ("amx" in feats) != bool(self.applies_when["cpu_amx"]):
+                return False, f"CPU AMX {'amx' in feats} (claim measured with cpu_amx={self.applies_when['cpu_amx']})"
         wl = result.get("workload") or {}
         for key, bound in self.applies_when.items():
             if not key.startswith(("min_", "max_")):

@@ -8,9 +8,12 @@ What is measured (best of ``repeats`` after one warm-up, as STREAM reports best 
 * dense matmul throughput, ``n × n × n`` (2n³ FLOP): fp32 and bf16;
 * FP8: ``torch._scaled_mm`` on float8_e4m3fn operands with per-tensor fp32 scales and a bf16 output, when this torch
   build supports it on the device (PyTorch's CPU build does, through oneDNN), on an n small enough that one call
-  stays within ``FP8_CALL_BUDGET_S`` (a slow fallback path is measured, not waited on). Where it does not, the reason is
-  recorded and ``fp8_dense_flops`` takes the bf16 number (the model then predicts no FP8 compute gain, which is what
-  such a machine gets).
+  stays within ``FP8_CALL_BUDGET_S`` (a slow fallback path is measured, not waited on). ``fp8_dense_flops`` is the
+  larger of the FP8 and BF16 rates: an engine can always dequantize FP8 weights and run the BF16 GEMM (W8A16), so
+  the BF16 rate is reachable for FP8 linear layers too, and the model's prediction stays a ceiling on machines whose
+  FP8 GEMM is slower than their BF16 one (measured: 0.18x on an AMD EPYC, ~0.002x on a Sapphire-Rapids-class Xeon
+  where PyTorch's CPU ``_scaled_mm`` takes a slow path while vLLM's W8A16 kernel does not). Where FP8 is not
+  supported at all, the reason is recorded and ``fp8_dense_flops`` takes the bf16 number.
 
 CPU timing is host wall-clock (``time.perf_counter``); on CUDA the same code times with CUDA events on the current
 stream after a synchronize. The output is a file in the ``hardware.json`` format (one entry, plus a ``measured``
@@ -193,12 +196,16 @@ def probe(device: str | None = None, *, size_mib: int | None = None, matmul_n: i
               f"max(STREAM copy, triad) on {size_mib} MiB; FLOP/s = best of {repeats} {n}^3 matmuls")
     if not fp8["supported"]:
         source += f"; fp8_dense_flops = the bf16 figure ({fp8['reason']})"
+    elif fp8["flops"] < bf16_flops:
+        source += (f"; fp8_dense_flops = the bf16 figure, the larger (FP8 _scaled_mm measured "
+                   f"{fp8['flops'] / 1e9:.3g} GFLOP/s on {fp8['n']}^3: an engine can always dequantize FP8 weights "
+                   "to BF16 and run the BF16 GEMM, so the BF16 rate bounds an FP8 linear's speed from below)")
     elif fp8["n"] != n:
         source += (f"; the FP8 _scaled_mm rate on {fp8['n']}^3 (at {n}^3 one call would take over "
                    f"{FP8_CALL_BUDGET_S:g} s: a slow FP8 GEMM path on this device)")
     entry = {"class": cls, "match": [dev_name], "hbm_bytes": _total_memory(device),
              "hbm_bandwidth_Bps": max(copy_bps, triad_bps), "bf16_dense_flops": bf16_flops,
-             "fp8_dense_flops": fp8["flops"] if fp8["supported"] else bf16_flops, "source": source,
+             "fp8_dense_flops": max(fp8["flops"], bf16_flops) if fp8["supported"] else bf16_flops, "source": source,
              "measured": measured}
     return {"name": label, "entry": entry}
 

@@ -31,7 +31,17 @@ def now_iso() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def detect_hardware(device: str | None = None) -> dict[str, str | None]:
+def cpu_features() -> list[str]:
+    """The CPU features that change which kernels CPU engines run (vLLM takes AMX code paths where the CPU has AMX
+    tiles), recorded in a CPU result's ``hardware`` block so that claims measured on one kind of CPU apply only to
+    results of that kind (``applies_when = {cpu_amx = ...}`` in claims.toml)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return ["amx"] if probe is not None and probe() else []
+
+
+def detect_hardware(device: str | None = None) -> dict:
     """``{name, class, device}`` of the current accelerator (a hardware.json entry when one matches) or the CPU."""
     from fp8rl.perf.model import match_hardware
 
@@ -44,24 +54,28 @@ def detect_hardware(device: str | None = None) -> dict[str, str | None]:
         except ImportError:  # pragma: no cover
             device = None
     if device is None:
-        return {"name": None, "class": "cpu", "device": cpu_model()}
+        return {"name": None, "class": "cpu", "device": cpu_model(), "cpu_features": cpu_features()}
     hw = match_hardware(device)
     return {"name": hw.name if hw else None, "class": hw.cls if hw else None, "device": device}
 
 
-def hardware_block(name: str | None) -> dict[str, str | None]:
+def hardware_block(name: str | None) -> dict:
     """The ``hardware`` block for a user-given hardware name (a hardware.json entry), else auto-detected."""
     if name is None:
         return detect_hardware()
     from fp8rl.perf.model import load_hardware
 
     if name.lower() == "cpu":
-        return {"name": None, "class": "cpu", "device": cpu_model()}
+        return {"name": None, "class": "cpu", "device": cpu_model(), "cpu_features": cpu_features()}
     hw = load_hardware(name)
     fname = name.partition("#")[0]
     if Path(fname).is_file():  # a probed hardware file: the gate's model ceiling reads it again from "file"
-        return {"name": hw.name, "class": hw.cls, "device": hw.match[0] if hw.match else hw.name,
-                "file": str(Path(fname).resolve()) + name[len(fname):]}
+        block: dict[str, Any] = {"name": hw.name, "class": hw.cls,
+                                 "device": hw.match[0] if hw.match else hw.name,
+                                 "file": str(Path(fname).resolve()) + name[len(fname):]}
+        if hw.cls == "cpu":  # probed here and now: this machine's features
+            block["cpu_features"] = cpu_features()
+        return block
     return {"name": hw.name, "class": hw.cls, "device": name}
 
 

@@ -214,12 +214,12 @@ def _known(engine: str, model: str, check: str = "CKPT-LOAD-001", fmt: str | Non
     """The engine's vendor xfails have an entry that one of ``known_keys(check, model, fmt)`` starts with (an entry
     is a check-id prefix, as in a conformance run: ``WSYNC-BOUND-001[tiny-qwen3-moe`` covers
     ``WSYNC-BOUND-001[tiny-qwen3-moe]``)."""
-    from fp8rl.plugin import parse_id_file
+    from fp8rl.plugin import entry_applies, parse_id_file
     from fp8rl.runner import vendor_file
 
     f = vendor_file(engine, "xfails")
     keys = known_keys(check, model, fmt)
-    return f is not None and any(k.startswith(p) for p, _ in parse_id_file(f) for k in keys)
+    return f is not None and any(k.startswith(p) for p, r in parse_id_file(f) if entry_applies(r) for k in keys)
 
 
 def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:

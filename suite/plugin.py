@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -127,6 +128,33 @@ def pytest_configure(config: pytest.Config) -> None:
 # vendor xfail / skip files
 
 
+def _cpu_amx() -> bool:
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+#: conditions a vendor-file entry may be scoped to: its reason starts with ``[when NAME]`` or ``[when not NAME]``.
+#: An engine whose behaviour depends on the machine (vLLM's CPU kernels pick AMX code paths where the CPU has AMX
+#: tiles) records each finding on the machines where it shows, so one file gives the same verdict on every machine.
+ENTRY_CONDITIONS: dict[str, Any] = {"cpu:amx": _cpu_amx}
+_WHEN = re.compile(r"^\[when (not )?([\w:.-]+)\]")
+
+
+def entry_applies(reason: str, where: str = "entry") -> bool:
+    """Whether a vendor-file entry applies on this machine: True unless its reason starts with a ``[when ...]``
+    condition that does not hold (:data:`ENTRY_CONDITIONS`); an unknown condition is a usage error."""
+    m = _WHEN.match(reason)
+    if m is None:
+        return True
+    name = m.group(2)
+    if name not in ENTRY_CONDITIONS:
+        raise pytest.UsageError(f"fp8rl: {where}: unknown condition {name!r} in '[when ...]'; known: "
+                                f"{sorted(ENTRY_CONDITIONS)}")
+    return bool(ENTRY_CONDITIONS[name]()) != bool(m.group(1))
+
+
 def parse_id_file(path: str | os.PathLike) -> list[tuple[str, str]]:
     """Parse a vendor file: one check-id prefix per line, then ``# reason``. Blank/comment lines are ignored.
 
@@ -210,6 +238,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if not path:
             continue
         for prefix, reason in parse_id_file(path):
+            if not entry_applies(reason, f"{path}: {prefix}"):
+                continue  # scoped to machines this one is not (e.g. [when cpu:amx])
             hit = False
             for it, spec in checks:
                 if _matches(prefix, spec, it):
@@ -636,4 +666,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         state.journal.close()
 
 
-__all__ = ["PROFILES", "engine_names", "parse_id_file"]
+__all__ = ["ENTRY_CONDITIONS", "PROFILES", "engine_names", "entry_applies", "parse_id_file"]

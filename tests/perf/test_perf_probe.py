@@ -38,8 +38,10 @@ def test_probe_entry_structure_and_units_bound(probed):
     assert e["hbm_bandwidth_Bps"] > 1e8 and e["bf16_dense_flops"] > 1e7
     assert e["hbm_bandwidth_Bps"] == max(m["stream"]["copy_Bps"], m["stream"]["triad_Bps"])
     assert e["hbm_bytes"] > 2**27 and e["hbm_bytes"] % 1024 == 0
-    if m["matmul"]["fp8_supported"]:
-        assert e["fp8_dense_flops"] == m["matmul"]["fp8_scaled_mm_flops"]
+    if m["matmul"]["fp8_supported"]:  # the faster of FP8 and the W8A16 route through the BF16 GEMM
+        assert e["fp8_dense_flops"] == max(m["matmul"]["fp8_scaled_mm_flops"], m["matmul"]["bf16_flops"])
+        assert ("the bf16 figure, the larger" in e["source"]) == (m["matmul"]["fp8_scaled_mm_flops"]
+                                                                   < m["matmul"]["bf16_flops"])
     else:  # unsupported: the reason is recorded and the model gets no FP8 compute gain
         assert m["matmul"]["fp8_reason"] and e["fp8_dense_flops"] == e["bf16_dense_flops"]
     assert m["timer"] == "time.perf_counter" and m["threads"] == torch.get_num_threads()
@@ -83,8 +85,11 @@ def test_ptpc_weight_bytes_are_one_fp32_scale_per_row_exact():
     assert pm.get_precision("fp8_linear_ptpc").name == "fp8-linear-ptpc"
 
 
-def _result(ratios: dict[str, list[float]], hw_file: str) -> dict:
+def _result(ratios: dict[str, list[float]], hw_file: str, amx: bool = False) -> dict:
+    """A synthetic vLLM result on the probed machine, recorded as a CPU without (default) or with AMX tiles."""
     from fp8rl.perf.results import new_result
+
+    hardware = dict(hardware_block(hw_file), cpu_features=["amx"] if amx else [])
 
     runs = []
     seq = 0
@@ -95,7 +100,7 @@ def _result(ratios: dict[str, list[float]], hw_file: str) -> dict:
                          "tokens": int(tp), "valid": True, "problems": []})
             seq += 1
     return new_result(kind="rollout", source="synthetic", engine={"name": "vllm", "version": "0.32.0"},
-                      model={"name": "tiny-qwen3", "path": None}, hardware=hardware_block(hw_file),
+                      model={"name": "tiny-qwen3", "path": None}, hardware=hardware,
                       workload={"batch": 4, "prompt_len": 32, "gen_len": 32}, metric="output_tokens_per_s",
                       baseline_config="bf16", configs=["bf16", *ratios], runs=runs)
 
@@ -122,6 +127,22 @@ def test_cpu_claims_gate_against_the_probed_model_bound(probed):
     assert g.overall_verdict(g.gate([("slow.json", slow)], claims)) == "FAIL"
     fast = _result({"fp8-kv": [3.0, 3.1, 2.9, 3.0]}, str(out))
     assert g.overall_verdict(g.gate([("fast.json", fast)], claims)) == "SUSPECT"
+
+
+def test_cpu_claims_follow_the_kind_of_cpu_exact(probed):
+    """The CPU claims are scoped by AMX: on an AMX result the AMD-measured floors do not apply (vLLM's PTPC runs at
+    ~0.005x there) and the cpu-amx claim does; a result that records no CPU features matches neither."""
+    _, out = probed
+    claims = g.load_claims()
+    ratios = {"fp8-kv": [0.95, 1.0, 1.05, 0.9], "fp8-linear-ptpc": [0.005, 0.0048, 0.0047, 0.005]}
+    rows = {r.config: r for r in g.gate([("amx.json", _result(ratios, str(out), amx=True))], claims).rows}
+    assert rows["fp8-linear-ptpc"].claim_id == "cpu-amx-vllm-fp8-linear-ptpc" and rows["fp8-linear-ptpc"].gated
+    assert rows["fp8-kv"].claim_id is None
+    no_amx = {r.config: r.claim_id for r in g.gate([("e.json", _result(ratios, str(out)))], claims).rows}
+    assert no_amx == {"fp8-kv": "cpu-vllm-fp8-kv", "fp8-linear-ptpc": "cpu-vllm-fp8-linear-ptpc"}
+    older = _result(ratios, str(out))
+    del older["hardware"]["cpu_features"]
+    assert {r.claim_id for r in g.gate([("old.json", older)], claims).rows} == {None}
 
 
 def test_probe_cli_writes_a_loadable_file(tmp_path, capsys):

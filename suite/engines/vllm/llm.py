@@ -54,14 +54,53 @@ class VllmLLMMixin:
                                  "checks its CPU quantizer)")
         caps["rollout.nvfp4-experts"] = (f"vllm {v} on CPU: its NVFP4 MoE methods are CUDA kernels (CUTLASS, "
                                          "FlashInfer, Marlin); the CPU build has no NVFP4 fused-MoE path")
-        caps["checkpoint.load"] = (f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start "
-                                   "without AMX (measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support "
-                                   "(Sapphire Rapids or newer)'), so the adapter has no checkpoint_load (docs/checkpoint.md)")
-        caps["checkpoint.score"] = (f"vllm {v} on CPU: a model with FP8 weights from a checkpoint does not start "
-                                    "(checkpoint.load's reason), so there is no loaded model to score with")
+        amx = _amx_reason()
+        caps["checkpoint.load"] = True if amx is None else (
+            f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start without AMX "
+            f"(measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)'): {amx} "
+            "(docs/checkpoint.md)")
+        caps["checkpoint.score"] = True if amx is None else (
+            f"vllm {v} on CPU: a model with FP8 weights from a checkpoint does not start: {amx}")
         caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"
         caps["checkpoint.attention_scales"] = True
         return caps
+
+    #: the ``quant_method`` of the checkpoints :meth:`checkpoint_load` reads (vLLM loads both formats)
+    checkpoint_formats = ("fp8", "compressed-tensors")
+
+    def checkpoint_load(self, path: Any) -> dict[str, Any]:
+        """The weights the layers of ``vllm.LLM(model=path)`` compute with, under the checkpoint's names. After
+        loading, vLLM's CPU FP8 kernels VNNI-pack the codes (``convert_weight_packed``), so the bytes a layer holds
+        are not the file's layout; every linear layer is instead read through its own forward: ``quant_method.apply``
+        on the identity I_K gives Wᵀ as the layer's kernel dequantizes and computes it (BF16 out, fp32 accumulation
+        of one product per element), split back into the checkpoint's projections by the layer's
+        ``logical_widths`` and the model's ``packed_modules_mapping`` (qkv_proj → q/k/v, gate_up_proj → gate/up).
+        Other parameters (embeddings, norms, a BF16 lm_head) as held. A MoE model's routed experts are packed for
+        the fused-MoE kernel, which applies the activation between its two GEMMs, so no identity read-back exists:
+        Unsupported (CKPT-LOAD-005 judges them through the log-probs)."""
+        held = _checkpoint_llm(path).collective_rpc(_computed_weights)[0]
+        if isinstance(held, str):
+            raise Unsupported(held)
+        return held
+
+    def checkpoint_score(self, path: Any, tokens: Any, prompt_len: int) -> Any:
+        """log π(tokens[:, t] | tokens[:, :t]) for t ≥ ``prompt_len`` under ``vllm.LLM(model=path)``: one request per
+        row with ``prompt_logprobs=0`` (the logprob of each prompt token given the ones before it, from the raw
+        logits), float32 (B, T − prompt_len)."""
+        import torch
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = _checkpoint_llm(path)
+        rows = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in tokens]
+        outs = llm.generate(rows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+                            use_tqdm=False)
+        lp = torch.empty(tokens.shape[0], tokens.shape[1] - prompt_len, dtype=torch.float32)
+        for i, out in enumerate(outs):
+            plp = out.prompt_logprobs
+            for t in range(prompt_len, tokens.shape[1]):
+                lp[i, t - prompt_len] = plp[t][int(tokens[i, t])].logprob
+        return lp
 
     def checkpoint_attention_scales(self, path: Any) -> dict[int, dict[str, float]]:
         """The q/k/v scales each attention layer of ``vllm.LLM(model=path, kv_cache_dtype="fp8")`` uses after
@@ -425,12 +464,87 @@ def _shutdown_all() -> None:
     vllm_logger.propagate = False
     # each engine core takes ~4.5 s to stop (SIGTERM, then its executor waits for the worker): stop them together
     # (plain threads: this runs from atexit, where concurrent.futures refuses new work)
-    threads = [threading.Thread(target=_stop_llm, args=(e,), daemon=True) for e in _LLMS.values()]
+    entries = list(_LLMS.values()) + ([[_CKPT_LLM[0], None, ""]] if _CKPT_LLM[0] is not None else [])
+    threads = [threading.Thread(target=_stop_llm, args=(e,), daemon=True) for e in entries]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     _LLMS.clear()
+    _CKPT_LLM[:] = [None, None, None]
+
+
+def _amx_reason() -> str | None:
+    """None if vLLM's CPU block-FP8 kernel can run here (its ``is_supported``: AMX tiles), else why not."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return "this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported() is False)"
+    return None
+
+
+#: the LLM that checkpoint_load / checkpoint_score last started: [llm, path, mtime of config.json]
+_CKPT_LLM: list = [None, None, None]
+
+
+def _checkpoint_llm(path: Any) -> Any:
+    """``vllm.LLM(model=path)`` (BF16, eager, max_model_len 256), one at a time: the loader checks of one checkpoint
+    share it (checkpoint_load then checkpoint_score), another checkpoint stops it first."""
+    import os
+    from pathlib import Path
+
+    from vllm import LLM
+
+    key = (str(Path(path).resolve()), os.stat(Path(path) / "config.json").st_mtime_ns)
+    if _CKPT_LLM[0] is not None and (_CKPT_LLM[1], _CKPT_LLM[2]) == key:
+        return _CKPT_LLM[0]
+    if _CKPT_LLM[0] is not None:
+        _stop_llm([_CKPT_LLM[0], None, ""])
+        _CKPT_LLM[:] = [None, None, None]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+              skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=8,
+              kv_cache_memory_bytes=kv_cache_bytes())
+    _CKPT_LLM[:] = [llm, *key]
+    return llm
+
+
+def _computed_weights(worker) -> dict | str:
+    """(in the worker) checkpoint name → the weight each linear layer computes with (``quant_method.apply`` on the
+    identity, transposed, split by ``logical_widths``), every other parameter as held; a message instead when the
+    model has fused-MoE experts (no read-back)."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, torch.Tensor] = {}
+    read: set[str] = set()
+    for name, mod in model.named_modules():
+        if hasattr(mod, "w13_weight") or type(mod).__name__ == "FusedMoE":
+            return (f"{name}: vLLM's fused-MoE experts are VNNI-packed for the CPU expert kernel "
+                    "(prepare_fp8_moe_layer_for_cpu), which applies the activation between its two GEMMs: the "
+                    "weights cannot be read back through a forward; CKPT-LOAD-005 judges them by the log-probs")
+        widths = getattr(mod, "logical_widths", None)
+        qm = getattr(mod, "quant_method", None)
+        if widths is None or qm is None or not hasattr(mod, "input_size_per_partition"):
+            continue
+        eye = torch.eye(int(mod.input_size_per_partition), dtype=torch.bfloat16)
+        with torch.no_grad():
+            w = qm.apply(mod, eye).t().contiguous()
+        prefix, _, short = name.rpartition(".")
+        parts = mapping.get(short, [short]) if len(widths) > 1 else [short]
+        if len(parts) != len(widths):
+            return f"{name}: {len(widths)} logical widths but packed_modules_mapping lists {parts}"
+        off = 0
+        for part, n in zip(parts, widths):
+            out[f"{prefix}.{part}.weight"] = w[off: off + n].clone()
+            off += n
+        read.add(name)
+    for pname, p in model.named_parameters():
+        if pname.rpartition(".")[0] not in read:
+            out[pname] = p.detach().clone()
+    return out
 
 
 def _attention_scales(worker) -> dict[str, tuple[float, float, float]]:

@@ -30,9 +30,53 @@ def test_xfails_name_the_kv_findings():
 
 
 @needs_vllm
-def test_checkpoint_load_still_says_why():
+def test_checkpoint_load_follows_amx():
+    """vLLM on CPU loads block-FP8 checkpoints only with AMX tiles (its CPUFp8BlockScaledMMKernel): the capability
+    is there on such a machine, and says why not elsewhere."""
+    import torch
+
     reason = capability_reason(V.VllmEngine(), "checkpoint.load")
-    assert reason is not None and "AMX" in reason
+    score = capability_reason(V.VllmEngine(), "checkpoint.score")
+    if torch.cpu._is_amx_tile_supported():
+        assert reason is None and score is None
+    else:
+        assert reason is not None and "AMX" in reason and score is not None
+
+
+_DECODE = """
+import json
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+k, n = 128, 256
+codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 256
+codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes).to(torch.uint8)  # no NaN codes
+w8 = codes.view(torch.float8_e4m3fn)
+out = torch.ops._C.fp8_scaled_mm_cpu(torch.eye(k, dtype=torch.bfloat16), w8, torch.ones(n // 128, 1), [128, 128],
+                                      None, torch.bfloat16, False)
+got, want = out.t().float(), w8.float()
+bad = got != want
+print(json.dumps([sorted({int(c) for c in codes[bad]}), [float(got[codes == c][0]) for c in (0x00, 0x80, 0x01, 0x83)]]))
+"""
+
+
+@needs_vllm
+@PIN
+@pytest.mark.skipif(not __import__("torch").cpu._is_amx_tile_supported(), reason="fp8_scaled_mm_cpu needs AMX tiles")
+def test_finding_amx_fp8_gemm_decodes_exponent_zero_codes_as_normals_exact():
+    """CKPT-LOAD-001[tiny-qwen3] (vllm.xfails, [when cpu:amx]) at the kernel: vLLM's fp8_scaled_mm_cpu on the identity
+    returns each code x 1.0; every code is torch's e4m3fn value except the 16 with exponent field 0, read as
+    (1 + m/8) x 2^-7: +0 -> 2^-7, -0 -> -2^-7, 0x01 (2^-9) -> 1.125 x 2^-7, 0x83 (-3 x 2^-9) -> -1.375 x 2^-7."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _DECODE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    bad, values = json.loads(r.stdout.strip().splitlines()[-1])
+    assert bad == [*range(0x00, 0x08), *range(0x80, 0x88)]
+    assert values == [2.0**-7, -(2.0**-7), 1.125 * 2.0**-7, -1.375 * 2.0**-7]
 
 
 @needs_vllm

@@ -44,7 +44,11 @@ def test_perf_gate_on_a_measured_vllm_run_bound(tmp_path, capsys):
     rc = main(["perf", "gate", str(out), "--out", str(tmp_path / "gate"), "--resamples", "999"])
     report = json.loads((tmp_path / "gate" / "gate.json").read_text())
     (row,) = [r for r in report["rows"] if r["config"] == "fp8-linear-ptpc"]
-    assert row["claim_id"] == "cpu-vllm-fp8-linear-ptpc" and row["gated"]
+    import torch  # the claims are scoped to the kind of CPU they were measured on (perf/claims.toml)
+
+    amx = torch.cpu._is_amx_tile_supported()
+    assert res["hardware"]["cpu_features"] == (["amx"] if amx else [])
+    assert row["claim_id"] == ("cpu-amx-vllm-fp8-linear-ptpc" if amx else "cpu-vllm-fp8-linear-ptpc") and row["gated"]
     assert row["ceiling"] is not None and row["model_error"] is not None
     assert rc == 0 and report["verdict"] == "PASS", (row, capsys.readouterr().out)
     assert "measured vs model" in (tmp_path / "gate" / "gate.md").read_text()

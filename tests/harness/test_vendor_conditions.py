@@ -1,0 +1,40 @@
+"""Vendor-file entries scoped to a machine condition ('[when cpu:amx]', '[when not cpu:amx]')."""
+
+from __future__ import annotations
+
+import pytest
+from fp8rl import plugin
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_when_condition_follows_the_machine_exact(monkeypatch, amx):
+    monkeypatch.setitem(plugin.ENTRY_CONDITIONS, "cpu:amx", lambda: amx)
+    assert plugin.entry_applies("[when cpu:amx] a finding of the AMX code path") is amx
+    assert plugin.entry_applies("[when not cpu:amx] a finding of the AVX-512 code path") is not amx
+    assert plugin.entry_applies("an unconditional finding [when cpu:amx] later in the text") is True
+
+
+def test_unknown_condition_is_a_usage_error_naming_it():
+    with pytest.raises(pytest.UsageError, match="unknown condition 'cpu:sve'.*known: \\['cpu:amx'\\]"):
+        plugin.entry_applies("[when cpu:sve] reason", "x.xfails: CHECK-001")
+
+
+def test_conditional_entries_scope_xfails_in_a_run(tmp_path):
+    """A run of the torch engine with two entries, one scoped to AMX machines and one to the others: on any machine
+    exactly one applies (its check is an expected failure that passes: xpassed), the other is dropped (its check
+    passes, and no stale-entry warning)."""
+    import json
+
+    from fp8rl.cli import main
+
+    xf = tmp_path / "cond.xfails"
+    xf.write_text("CAST-SWEEP-001[e4m3fn]  # [when cpu:amx] a finding that shows only on AMX machines\n"
+                  "CAST-SWEEP-001[e5m2]  # [when not cpu:amx] a finding that shows only on the other machines\n")
+    out = tmp_path / "r"
+    main(["conformance", "--engine", "torch", "--area", "formats", "-k", "sweep", "--xfails", str(xf),
+          "--no-isolation", "--out", str(out)])
+    rep = json.loads((out / "report.json").read_text())
+    cases = {c["case"]: c["outcome"] for c in rep["checks"] if c["id"] == "CAST-SWEEP-001"}
+    amx = plugin.ENTRY_CONDITIONS["cpu:amx"]()
+    assert (cases["e4m3fn"], cases["e5m2"]) == (("xpassed", "passed") if amx else ("passed", "xpassed"))
+    assert not any("matches no collected check" in w for w in rep["warnings"])
