@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fp8rl.environment import cpu_model, environment
+from fp8rl.environment import cpu_features, cpu_model, environment
 
 SCHEMA = "fp8rl.perf.result"
 SCHEMA_VERSION = 1
@@ -31,16 +31,6 @@ def now_iso() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def cpu_features() -> list[str]:
-    """The CPU features that change which kernels CPU engines run (vLLM takes AMX code paths where the CPU has AMX
-    tiles), recorded in a CPU result's ``hardware`` block so that claims measured on one kind of CPU apply only to
-    results of that kind (``applies_when = {cpu_amx = ...}`` in claims.toml)."""
-    import torch
-
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return ["amx"] if probe is not None and probe() else []
-
-
 def detect_hardware(device: str | None = None) -> dict:
     """``{name, class, device}`` of the current accelerator (a hardware.json entry when one matches) or the CPU."""
     from fp8rl.perf.model import match_hardware

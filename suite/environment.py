@@ -27,6 +27,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_features() -> list[str]:
+    """The CPU features that change which kernels CPU engines run: ``amx`` where the CPU has AMX tiles (vLLM's CPU
+    attention and FP8 GEMMs take AMX code paths there; findings scoped ``[when cpu:amx]`` in vendor files). Empty
+    without torch."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return []
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return ["amx"] if probe is not None and probe() else []
+
+
 def _nvidia_smi() -> list[dict[str, str]]:
     exe = shutil.which("nvidia-smi")
     if not exe:
@@ -84,6 +96,8 @@ def environment(engine: Any = None) -> dict[str, Any]:
         env["torch"] = torch.__version__
         env["torch_cuda"] = torch.version.cuda
         env["torch_threads"] = torch.get_num_threads()
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["cpu_features"] = cpu_features()
         gpus = []
         if torch.cuda.is_available():
             for i in range(torch.cuda.device_count()):
@@ -120,4 +134,4 @@ def _safe_version(engine: Any) -> str | None:
         return None
 
 
-__all__ = ["cpu_model", "environment"]
+__all__ = ["cpu_features", "cpu_model", "environment"]

@@ -129,10 +129,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _cpu_amx() -> bool:
-    import torch
+    from fp8rl.environment import cpu_features
 
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
+    return "amx" in cpu_features()
 
 
 #: conditions a vendor-file entry may be scoped to: its reason starts with ``[when NAME]`` or ``[when not NAME]``.

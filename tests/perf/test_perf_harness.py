@@ -117,6 +117,9 @@ def test_interleaved_paired_repeats_same_prompts():
         assert key in env
     assert env["engine"] == {"name": "fake-rollout", "version": "fake 1.0"}
     assert res["engine"]["version"] == "fake 1.0" and res["baseline_config"] == "bf16"
+    # the kind of CPU (vLLM's CPU kernels differ with AMX tiles): recorded, and the one vendor conditions read
+    assert env["cpu_features"] == (["amx"] if torch.cpu._is_amx_tile_supported() else [])
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_abba_order_and_tuple_output_without_stats():
