@@ -181,15 +181,30 @@ def budget(metric: str, model: str, recipe: str) -> float:
     return tolerances.e2e_budget(metric, model, recipe)
 
 
-def within_budget(res: CaseResult) -> list[str]:
-    """Budget violations of a case ("" list when within every budget)."""
+def budget_violations(metrics: dict[str, float], model: str, recipe: str) -> list[str]:
+    """The metrics of :data:`METRICS` over their e2e budget for ``model`` under ``recipe`` (empty when within all)."""
     out = []
     for metric in METRICS:
-        b = budget(metric, res.model, res.recipe)
-        v = res.metrics[metric]
+        b = budget(metric, model, recipe)
+        v = metrics[metric]
         if not v <= b:
             out.append(f"{metric} = {v:.4g} > budget {b:.4g}")
     return out
+
+
+def within_budget(res: CaseResult) -> list[str]:
+    """Budget violations of a case ("" list when within every budget)."""
+    return budget_violations(res.metrics, res.model, res.recipe)
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_oracle_scored(path: str, sampling_seed: int = SAMPLE_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs) of the oracle's dequantized model of a checkpoint directory
+    (rollout_hf.checkpoint_policy): the e2e prompts, :data:`N_NEW` tokens sampled at temperature 1 from that model,
+    scored teacher-forced by it (CKPT-LOAD-005 and ``fp8rl checkpoint-matrix``; cached per path and seed)."""
+    policy = R.checkpoint_policy(path)
+    tokens = policy.generate(prompts(), N_NEW, greedy=False, seed=sampling_seed).tokens
+    return tokens, policy.score(tokens, prompt_len())
 
 
 def fmt_case(res: CaseResult) -> str:

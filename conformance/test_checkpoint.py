@@ -331,19 +331,6 @@ def test_checkpoint_loader_exact(engine, fmt, model):
     _compare_loaded(engine.checkpoint_load(path), path, model if fmt == "fp8" else f"{fmt}:{model}")
 
 
-@functools.lru_cache(maxsize=8)
-def _oracle_scored(path: Path, sampling_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, log-probs) of the oracle's dequantized model of the checkpoint (rollout_hf.checkpoint_policy): the
-    e2e prompts, 20 tokens sampled at temperature 1 from that model, scored teacher-forced by it."""
-    from fp8rl.reference.rollout_hf import checkpoint_policy
-
-    from . import _e2e as E
-
-    policy = checkpoint_policy(path)
-    tokens = policy.generate(E.prompts(), E.N_NEW, greedy=False, seed=sampling_seed).tokens
-    return tokens, policy.score(tokens, E.prompt_len())
-
-
 @pytest.mark.parametrize("fmt, model", LOAD_CASES)
 @check("CKPT-LOAD-005", "The model a loader loads from the oracle's 128x128 checkpoint of a tiny model (or the same "
        "codes and scales in the compressed-tensors form) gives the tokens of a rollout sampled from the oracle's "
@@ -358,13 +345,12 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
 
     _loads_format(engine, fmt)
     path = _oracle_checkpoint(model, fmt=fmt)
-    tokens, lp_oracle = _oracle_scored(path, E.sampling_seed(run_seed))
+    tokens, lp_oracle = E.checkpoint_oracle_scored(str(path), E.sampling_seed(run_seed))
     lp = engine.checkpoint_score(path, tokens, E.prompt_len())
     m = mismatch_metrics(lp, lp_oracle)
     record_metrics(**{k: m[k] for k in E.METRICS},
                    err_over_bound=max(m[k] / E.budget(k, model, "bf16") for k in ("k3_kl", "max_abs_dlogp")))
-    over = [f"{k} = {m[k]:.4g} > budget {E.budget(k, model, 'bf16'):.4g}" for k in E.METRICS
-            if not m[k] <= E.budget(k, model, "bf16")]
+    over = E.budget_violations(m, model, "bf16")
     assert not over, f"{fmt}:{model}: the loaded model's log-probs vs the oracle's dequantized model: " \
         + "; ".join(over) + f" (mean |dlogp| {m['mean_abs_dlogp']:.3g} over {lp.numel()} tokens)"
 

@@ -122,28 +122,17 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
     return {"status": "conformant", "values": total, "tensors": len(want64)}
 
 
-def judge_logprobs(engine: Any, path: Path, model: str, cache: dict[str, Any] | None = None) -> dict[str, Any]:
+def judge_logprobs(engine: Any, path: Path, model: str) -> dict[str, Any]:
     """The loader's model vs the oracle's dequantized model of the file (CKPT-LOAD-005's statement): the e2e prompts
-    and 20 tokens sampled from the oracle's model (fp8rl.reference.rollout_hf.checkpoint_policy, sampling seed
+    and 20 tokens sampled from the oracle's model (fp8rl.conformance._e2e.checkpoint_oracle_scored, sampling seed
     1234), scored teacher-forced by both; conformant when k3 KL, token_mult_prob_error and max |dlogp| are within
     the e2e area's bf16 budgets of the model."""
-    from fp8rl import tolerances
     from fp8rl.conformance import _e2e as E
     from fp8rl.reference.rollout import mismatch_metrics
-    from fp8rl.reference.rollout_hf import checkpoint_policy
 
-    key = str(path)
-    if cache is None or key not in cache:
-        policy = checkpoint_policy(path)
-        tokens = policy.generate(E.prompts(), E.N_NEW, greedy=False, seed=E.SAMPLE_SEED).tokens
-        scored = (tokens, policy.score(tokens, E.prompt_len()))
-        if cache is not None:
-            cache[key] = scored
-    tokens, lp_oracle = cache[key] if cache is not None else scored
-    lp = engine.checkpoint_score(path, tokens, E.prompt_len())
-    m = mismatch_metrics(lp, lp_oracle)
-    over = [f"{k} {m[k]:.3g} > budget {tolerances.e2e_budget(k, model, 'bf16'):.3g}" for k in E.METRICS
-            if not m[k] <= tolerances.e2e_budget(k, model, "bf16")]
+    tokens, lp_oracle = E.checkpoint_oracle_scored(str(path))
+    m = mismatch_metrics(engine.checkpoint_score(path, tokens, E.prompt_len()), lp_oracle)
+    over = E.budget_violations(m, model, "bf16")
     out: dict[str, Any] = {k: m[k] for k in (*E.METRICS, "mean_abs_dlogp")}
     if over:
         return {**out, "status": "deviation", "detail": "log-probs vs the oracle's dequantized model: " + "; ".join(over)}
@@ -262,7 +251,6 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     for (w, m), f in files.items():  # the file judge is WSYNC-BOUND-001's statement: a writer's xfail of it is known
         f["known"] = f["status"] == "deviation" and _known(w, m, "WSYNC-BOUND-001")
     cells = []
-    scored: dict[str, Any] = {}  # the oracle's rollout and log-probs per checkpoint file
     for w in writers:
         for ld in loaders:
             for m in models:
@@ -282,7 +270,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
                     try:
                         cell.update(judge(engines[ld].checkpoint_load(src), src))
                         if capability_reason(engines[ld], "checkpoint.score") is None:
-                            cell["logprobs"] = judge_logprobs(engines[ld], src, m, scored)
+                            cell["logprobs"] = judge_logprobs(engines[ld], src, m)
                             if cell["logprobs"]["status"] != "conformant" and cell["status"] == "conformant":
                                 cell.update(status="deviation", detail=cell["logprobs"]["detail"])
                     except Exception as exc:  # noqa: BLE001 - a loader failure is a cell outcome

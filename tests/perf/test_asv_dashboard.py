@@ -105,23 +105,27 @@ def test_lock_pins_asvs_versions_and_stupidtable_1_1_3():
 # conformance counts as asv track values
 
 
+def _write_report(folder: Path, engine: str, checks: list[dict], duration_s: float) -> None:
+    """A minimal valid conformance report.json of ``engine`` with ``checks`` into ``folder``."""
+    from fp8rl.reports import summarize
+
+    report = {"schema_version": "1.0", "suite": {"name": "fp8rl", "version": "0.1.0"}, "kind": "conformance",
+              "engine": {"name": engine, "version": "1", "capabilities": {}},
+              "environment": {"python": "3.11", "torch": "2.13.0", "numpy": "2.4", "platform": "linux",
+                              "device": "cpu", "cpu": "x"}, "profile": "ci", "seed": 0,
+              "started_at": "2026-12-01T00:00:00+00:00", "duration_s": duration_s, "command": ["fp8rl"],
+              "summary": summarize(checks), "checks": checks, "warnings": [], "sections": {}}
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps(report))
+
+
 def test_conformance_tracks_read_the_reports_named_by_the_env_var(tmp_path, monkeypatch):
     import importlib
-
-    from fp8rl.reports import summarize
 
     for name, outcomes in (("torch", {"Q-1": "passed", "Q-2": "xfailed"}), ("vllm", {"Q-1": "failed", "Q-2": "skipped"})):
         checks = [{"id": cid, "area": "quantization", "title": "t", "nodeid": f"n::{cid}", "case": "", "outcome": o,
                    "message": "", "bound": None, "metrics": {}, "duration_s": 0.0} for cid, o in outcomes.items()]
-        report = {"schema_version": "1.0", "suite": {"name": "fp8rl", "version": "0.1.0"}, "kind": "conformance",
-                  "engine": {"name": name, "version": "1", "capabilities": {}},
-                  "environment": {"python": "3.11", "torch": "2.13.0", "numpy": "2.4", "platform": "linux",
-                                  "device": "cpu", "cpu": "x"}, "profile": "ci", "seed": 0,
-                  "started_at": "2026-12-01T00:00:00+00:00", "duration_s": 12.5, "command": ["fp8rl"],
-                  "summary": summarize(checks), "checks": checks, "warnings": [], "sections": {}}
-        d = tmp_path / name / "seed-0"
-        d.mkdir(parents=True)
-        (d / "report.json").write_text(json.dumps(report))
+        _write_report(tmp_path / name / "seed-0", name, checks, 12.5)
     monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
     monkeypatch.setenv("FP8RL_ASV_REPORTS", os.pathsep.join([str(tmp_path / "torch"), str(tmp_path / "vllm")]))
     import benchmarks.bench_conformance as bc
@@ -155,8 +159,6 @@ def test_conformance_tracks_read_the_reports_named_by_the_env_var(tmp_path, monk
 def test_mismatch_tracks_read_each_engines_e2e_k3_kl(tmp_path, monkeypatch):
     import importlib
 
-    from fp8rl.reports import summarize
-
     def check(case: str, outcome: str, k3: float | None) -> dict:
         return {"id": "E2E-MISMATCH-001", "area": "e2e", "title": "t", "nodeid": f"n::{case}", "case": case,
                 "outcome": outcome, "message": "", "bound": "e2e_mismatch",
@@ -166,14 +168,7 @@ def test_mismatch_tracks_read_each_engines_e2e_k3_kl(tmp_path, monkeypatch):
             "vllm": [check("tiny-qwen3-fp8-kv", "failed", 0.25), check("tiny-qwen3-bf16", "skipped", None),
                      check("tiny-qwen3-fp8-all", "error", 9.0)]}
     for name, checks in runs.items():
-        report = {"schema_version": "1.0", "suite": {"name": "fp8rl", "version": "0.1.0"}, "kind": "conformance",
-                  "engine": {"name": name, "version": "1", "capabilities": {}},
-                  "environment": {"python": "3.11", "torch": "2.13.0", "numpy": "2.4", "platform": "linux",
-                                  "device": "cpu", "cpu": "x"}, "profile": "ci", "seed": 0,
-                  "started_at": "2026-12-01T00:00:00+00:00", "duration_s": 1.0, "command": ["fp8rl"],
-                  "summary": summarize(checks), "checks": checks, "warnings": [], "sections": {}}
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "report.json").write_text(json.dumps(report))
+        _write_report(tmp_path / name, name, checks, 1.0)
     monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
     monkeypatch.setenv("FP8RL_ASV_REPORTS", os.pathsep.join(str(tmp_path / n) for n in runs))
     import benchmarks.bench_conformance as bc

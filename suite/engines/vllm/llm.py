@@ -476,9 +476,9 @@ def _shutdown_all() -> None:
 
 def _amx_reason() -> str | None:
     """None if vLLM's CPU block-FP8 kernel can run here (its ``is_supported``: AMX tiles), else why not."""
-    import torch
+    from fp8rl.environment import cpu_features
 
-    if not torch.cpu._is_amx_tile_supported():
+    if "amx" not in cpu_features():
         return "this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported() is False)"
     return None
 

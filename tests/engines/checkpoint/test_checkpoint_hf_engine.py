@@ -256,7 +256,7 @@ def test_loaded_moe_scores_like_the_oracle_exact():
     from fp8rl.conformance import test_checkpoint as tc
 
     path = tc._oracle_checkpoint("tiny-qwen3-moe")
-    tokens, lp_oracle = tc._oracle_scored(path, E.sampling_seed(0))
+    tokens, lp_oracle = E.checkpoint_oracle_scored(str(path), E.sampling_seed(0))
     lp = HfFp8Engine().checkpoint_score(path, tokens, E.prompt_len())
     assert lp.dtype == torch.float32 and lp.shape == lp_oracle.shape
     assert torch.equal(lp, lp_oracle), float((lp - lp_oracle).abs().max())

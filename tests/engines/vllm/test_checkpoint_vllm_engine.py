@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 from fp8rl.engine import capability_reason
 from fp8rl.engines import vllm as V
+from fp8rl.environment import cpu_features
 from fp8rl.plugin import parse_id_file
 from fp8rl.reference import checkpoint as ck
 from support import REPO_ROOT
@@ -62,7 +63,7 @@ print(json.dumps([sorted({int(c) for c in codes[bad]}), [float(got[codes == c][0
 
 @needs_vllm
 @PIN
-@pytest.mark.skipif(not __import__("torch").cpu._is_amx_tile_supported(), reason="fp8_scaled_mm_cpu needs AMX tiles")
+@pytest.mark.skipif("amx" not in cpu_features(), reason="fp8_scaled_mm_cpu needs AMX tiles")
 def test_finding_amx_fp8_gemm_decodes_exponent_zero_codes_as_normals_exact():
     """CKPT-LOAD-001[tiny-qwen3] (vllm.xfails, [when cpu:amx]) at the kernel: vLLM's fp8_scaled_mm_cpu on the identity
     returns each code x 1.0; every code is torch's e4m3fn value except the 16 with exponent field 0, read as
