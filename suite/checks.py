@@ -47,12 +47,20 @@ CHECKS: dict[str, CheckSpec] = {}
 def all_checks() -> dict[str, CheckSpec]:
     """Every check of the suite (imports each ``fp8rl.conformance.test_*`` module, which declares its checks)."""
     import importlib
+    import os
     import pkgutil
+    import sys
 
     import fp8rl.conformance as conf
 
+    # a module pytest already imported under another name (a checkout's 'conformance.test_kv') declared its checks:
+    # importing it again as fp8rl.conformance.* would declare each id twice
+    loaded = {os.path.realpath(f) for m in list(sys.modules.values()) if (f := getattr(m, "__file__", None))}
     for mod in pkgutil.iter_modules(conf.__path__):
-        if mod.name.startswith("test_"):
+        if not mod.name.startswith("test_"):
+            continue
+        path = os.path.realpath(os.path.join(str(mod.module_finder.path), f"{mod.name}.py"))  # type: ignore[union-attr]
+        if path not in loaded:
             importlib.import_module(f"fp8rl.conformance.{mod.name}")
     return CHECKS
 

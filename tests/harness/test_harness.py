@@ -170,7 +170,9 @@ def test_hanging_engine_times_out_as_error_and_run_continues(tmp_path):
 
 def test_vendor_xfails_and_skips_files(tmp_path):
     xf = tmp_path / "x.xfails"
-    xf.write_text("# vendor file\nCAST-SWEEP-001  # our cast is known to differ\nNO-SUCH-CHECK  # stale entry\n")
+    xf.write_text("# vendor file\nCAST-SWEEP-001  # our cast is known to differ\nNO-SUCH-CHECK  # stale entry\n"
+                  "CAST-RANDOM-001[no-such-case]  # a stale case of a check that ran\n"
+                  "KV-STORE-001  # a finding of an area this run did not select: not stale\n")
     sk = tmp_path / "x.skips"
     sk.write_text("CAST-RANDOM  # too slow on our simulator\n")
     out = tmp_path / "out"
@@ -184,6 +186,8 @@ def test_vendor_xfails_and_skips_files(tmp_path):
     assert by_id["CAST-SWEEP-001"] == {"xfailed"}
     assert by_id["CAST-RANDOM-001"] == {"skipped"}
     assert any("NO-SUCH-CHECK" in w for w in rep["warnings"])
+    assert any("no-such-case" in w for w in rep["warnings"])
+    assert not any("KV-STORE-001" in w for w in rep["warnings"])
     assert r.returncode == 1  # the other cast checks still error
 
 

