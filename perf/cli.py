@@ -159,7 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    warmup=args.warmup, seed=args.seed, order=args.order, greedy=not args.sample,
                                    vocab_size=args.vocab_size,
                                    model_name=args.model_name, hardware=args.hardware, command=sys.argv,
-                                   progress=tick)
+                                   progress=tick, config_budget_s=args.config_budget_s)
         except RolloutUnavailable as exc:
             return _err(f"cannot run: {exc}")
         except ValueError as exc:
@@ -279,7 +279,7 @@ def _print_gate(report, code: int) -> None:
     from rich.table import Table
 
     con = _console()
-    colors = {"PASS": "green", "FAIL": "red", "INSUFFICIENT": "red", "REGRESSED": "red", "SUSPECT": "yellow",
+    colors = {"PASS": "green", "FAIL": "red", "INSUFFICIENT": "red", "NOT-RUN": "red", "REGRESSED": "red", "SUSPECT": "yellow",
               "INFO": "blue", "NO-CLAIM": "dim"}
     t = Table(title=f"perf gate: {g.overall_verdict(report)} (exit {code}; {report.confidence:.0%} bootstrap CIs)",
               title_justify="left")
@@ -434,6 +434,9 @@ def register(subparsers) -> None:
     r.add_argument("--hardware", default=None,
                    help="hardware.json entry, a probed file (fp8rl perf hardware --probe --out FILE) or 'cpu' "
                         "(default: detected)")
+    r.add_argument("--config-budget-s", type=float, default=None,
+                   help="the most seconds one config's warm-up and timed calls may take, estimated from a pilot "
+                        "rollout: a config over it is not timed (the gate says NOT-RUN; the baseline always runs)")
     r.add_argument("--out", default="perf-result.json")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print the result JSON")

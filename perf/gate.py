@@ -14,6 +14,9 @@ Verdicts of a speedup row:
 ``SUSPECT``       the CI's lower end is above the model's speedup ceiling × (1 + slack), or some runs broke the
                   workload (a response shorter than ``gen_len``: EOS not ignored) — the measurement, not the
                   engine, is in question. Takes precedence over PASS/FAIL.
+``NOT-RUN``       the harness did not time the config: its pilot rollout put it over the per-config time budget
+                  (``workload.skipped_configs``); counts as a failure when a gating claim applies (a claim is never
+                  certified unmeasured), reported only otherwise
 ``INFO``          a non-gating claim applies (reported only)
 ``NO-CLAIM``      no claim applies (reported only)
 
@@ -21,7 +24,7 @@ Regression rows (``--baseline``): per (group, config) throughput of the current 
 ratio of geometric means with an (unpaired) bootstrap CI. ``PASS`` if the CI's lower end ≥ 1 − max_regression,
 else ``REGRESSED`` (the burden of proof is on the new build, as for claims: a noisy run must repeat more).
 
-Exit codes: 0 every gated row passed; 1 a FAIL, INSUFFICIENT or REGRESSED row; 3 no failure but a SUSPECT row;
+Exit codes: 0 every gated row passed; 1 a FAIL, INSUFFICIENT, NOT-RUN or REGRESSED row; 3 no failure but a SUSPECT row;
 2 usage error or nothing was gated (no claim applied and no baseline; ``--allow-unmatched`` makes that 0).
 """
 
@@ -306,7 +309,8 @@ def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: f
             if config == base_cfg:
                 continue
             cand_runs = _runs(result, group, config)
-            if not cand_runs:
+            not_run = dict((result.get("workload") or {}).get("skipped_configs") or {}).get(config)
+            if not cand_runs and not not_run:
                 continue
             bad = [r for r in list(base_runs.values()) + list(cand_runs.values()) if not r.get("valid", True)]
             pairs = [(base_runs[i]["throughput"], cand_runs[i]["throughput"]) for i in sorted(cand_runs)
@@ -333,7 +337,10 @@ def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: f
                           gated=bool(claim and claim.gate),
                           model_error=(est.point / ceiling - 1.0 if ceiling and math.isfinite(est.point) else None))
                 reasons = []
-                if claim is None:
+                if not_run and not cand_runs:
+                    row.verdict = "NOT-RUN"
+                    reasons.append(str(not_run))
+                elif claim is None:
                     row.verdict = "NO-CLAIM"
                 elif not claim.gate:
                     row.verdict = "INFO"
@@ -370,6 +377,15 @@ def _regression_rows(result: dict, file: str, baseline: dict, baseline_file: str
         for config in result["configs"]:
             cur = [r["throughput"] for r in _runs(result, group, config).values() if r.get("valid", True)]
             old = [r["throughput"] for r in _runs(baseline, group, config).values() if r.get("valid", True)]
+            not_run = dict((result.get("workload") or {}).get("skipped_configs") or {}).get(config)
+            if not cur and old and not_run:  # the baseline measured it; this run did not: nothing is certified
+                rows.append(Row(kind="regression", file=file, model=result["model"]["name"],
+                                engine=str(result["engine"]["name"]), hardware=_hw_label(result), group=group,
+                                baseline=f"baseline:{Path(baseline_file).name}", config=config,
+                                estimate=Estimate(float("nan"), float("nan"), float("nan"), 0, confidence, "none"),
+                                verdict="NOT-RUN", claim_lower=1.0 - max_regression, reason=str(not_run),
+                                gated=True))
+                continue
             if not cur or not old:
                 continue
             est = unpaired_ratio(old, cur, confidence, n_resamples, seed, method)
@@ -420,7 +436,7 @@ def overall_verdict(report: GateReport) -> str:
     if not gated:
         return "NOTHING-GATED"
     verdicts = {r.verdict for r in gated}
-    if verdicts & {"FAIL", "INSUFFICIENT", "REGRESSED"}:
+    if verdicts & {"FAIL", "INSUFFICIENT", "REGRESSED", "NOT-RUN"}:
         return "FAIL"
     if "SUSPECT" in verdicts:
         return "SUSPECT"

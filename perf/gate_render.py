@@ -53,7 +53,7 @@ def plot(report: GateReport, path: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(rows) + 2), 4.2))
-    colors = {"PASS": "tab:green", "FAIL": "tab:red", "SUSPECT": "tab:orange", "INSUFFICIENT": "tab:red",
+    colors = {"PASS": "tab:green", "FAIL": "tab:red", "SUSPECT": "tab:orange", "INSUFFICIENT": "tab:red", "NOT-RUN": "tab:purple",
               "INFO": "tab:blue", "NO-CLAIM": "tab:gray"}
     for i, r in enumerate(rows):
         e = r.estimate

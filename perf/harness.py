@@ -204,16 +204,30 @@ def _check_tokens(toks: Any, prompts: Any, gen_len: int) -> tuple[list[str], int
     return problems, max(n, 0) * toks.shape[0]
 
 
+#: tokens of the pilot rollout that estimates a config's cost when a per-config budget is set
+PILOT_TOKENS = 2
+
+
+def estimated_config_s(pilot_s: float, pilot_tokens: int, gen_len: int, calls: int) -> float:
+    """Wall time of ``calls`` rollouts of ``gen_len`` tokens, from one pilot rollout of ``pilot_tokens`` tokens
+    that took ``pilot_s``: ``calls × pilot_s × gen_len / pilot_tokens``. The pilot's prefill is scaled with its
+    decode steps, so for a prefill-heavy config this overestimates: a budget errs towards not timing."""
+    return calls * pilot_s * gen_len / pilot_tokens
+
+
 def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, prompt_len: int, gen_len: int,
                   repeats: int, warmup: int = 1, seed: int = 0, order: str = "interleaved", greedy: bool = True,
                   vocab_size: int | None = None, model_name: str | None = None, hardware: str | None = None,
                   command: list[str] | None = None, loaded: tuple[str, dict, dict, str | None] | None = None,
-                  progress: Callable[[str], None] | None = None) -> dict:
+                  progress: Callable[[str], None] | None = None, config_budget_s: float | None = None) -> dict:
     """Run the benchmark and return a result dict (schema ``fp8rl.perf.result``, kind ``rollout``).
 
     ``configs[0]`` is the baseline. ``loaded`` = (name, config, state_dict, path) skips :func:`load_model`.
-    ``progress(label)`` is called after every engine call. Raises :class:`RolloutUnavailable` when the engine
-    cannot run it, ValueError for bad arguments.
+    ``progress(label)`` is called after every engine call. ``config_budget_s``: the most wall time one config's
+    warm-up and timed calls may take; each config first runs a pilot rollout of :data:`PILOT_TOKENS` tokens, and a
+    config whose estimate (:func:`estimated_config_s`) exceeds the budget is not timed: it has no runs, and
+    ``workload.skipped_configs[config]`` says why (the gate reports it NOT-RUN). The baseline always runs. Raises
+    :class:`RolloutUnavailable` when the engine cannot run it, ValueError for bad arguments.
     """
     from fp8rl.perf.model import get_precision
 
@@ -228,6 +242,9 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
             raise ValueError(f"{nm}: expected an integer >= {lo}, got {v!r}")
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    if config_budget_s is not None and (isinstance(config_budget_s, bool) or not isinstance(config_budget_s, (int, float))
+                                        or not config_budget_s > 0):
+        raise ValueError(f"config_budget_s: expected a positive number of seconds or None, got {config_budget_s!r}")
     reason = rollout_reason(engine, canon)
     if reason is not None:
         raise RolloutUnavailable(reason)
@@ -256,7 +273,22 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
         stats = dict(stats_fn(handles[cfg]) or {}) if callable(stats_fn) else {}
         return _unpack_tokens(out), wall, mem.peak(), stats
 
-    for cfg in canon:
+    skipped: dict[str, str] = {}
+    if config_budget_s is not None:
+        pilot_n = min(PILOT_TOKENS, gen_len)
+        for cfg in canon:
+            t0 = time.perf_counter()
+            engine.rollout(handles[cfg], prompts, pilot_n, greedy=greedy, seed=seed)
+            pilot_s = time.perf_counter() - t0
+            est = estimated_config_s(pilot_s, pilot_n, gen_len, warmup + repeats)
+            if progress:
+                progress(f"pilot {cfg}: {pilot_s:.2f} s for {pilot_n} tokens, estimated {est:.0f} s")
+            if est > config_budget_s and cfg != canon[0]:
+                skipped[cfg] = (f"not timed: a pilot rollout of {pilot_n} tokens took {pilot_s:.2f} s, so "
+                                f"{warmup} warm-up + {repeats} timed calls of {gen_len} tokens would take about "
+                                f"{est:.0f} s, over the per-config budget of {config_budget_s:g} s")
+    timed = [c for c in canon if c not in skipped]
+    for cfg in timed:
         for _ in range(warmup):
             call(cfg)
             if progress:
@@ -264,7 +296,7 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
     runs = []
     seq = 0
     for i in range(repeats):
-        round_order = canon if order == "interleaved" or i % 2 == 0 else list(reversed(canon))
+        round_order = timed if order == "interleaved" or i % 2 == 0 else list(reversed(timed))
         for cfg in round_order:
             toks, wall, peak, stats = call(cfg)
             problems, ntok = _check_tokens(toks, prompts, gen_len)
@@ -284,6 +316,9 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
     workload = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats, "warmup": warmup,
                 "seed": seed, "order": order, "greedy": greedy, "ignore_eos": True, "vocab_size": vocab,
                 "init_s": init_s}
+    if config_budget_s is not None:
+        workload["config_budget_s"] = float(config_budget_s)
+        workload["skipped_configs"] = skipped
     engine_info = {"name": str(getattr(engine, "name", "?")), "version": _version(engine)}
     result = new_result(kind="rollout", source="fp8rl perf run", engine=engine_info,
                         model={"name": name, "path": path}, hardware=hardware_block(hardware),

@@ -232,6 +232,36 @@ def test_regression_gate():
     assert r.estimate.point == pytest.approx(0.98, rel=1e-6) and r.estimate.lo < 0.95 and r.verdict == "REGRESSED"
 
 
+
+def _not_run(res, why="not timed: over the per-config budget of 900 s"):
+    """``res`` as the harness writes a config its per-config budget skipped: no runs, the reason in the workload."""
+    cfg = res["configs"][1]
+    res = dict(res, runs=[r for r in res["runs"] if r["config"] != cfg],
+               workload=dict(res["workload"], skipped_configs={cfg: why}))
+    return validate(res)
+
+
+def test_config_not_run_fails_a_gating_claim_and_is_reported_otherwise(claims):
+    measured = synthetic([math.log(1.15)] * 5)
+    (row,) = rows_for(run_gate(claims, measured), "qwen3-8b-fp8-linear")
+    assert row.verdict == "PASS"
+    rep = run_gate(claims, _not_run(measured))
+    (row,) = rows_for(rep, "qwen3-8b-fp8-linear")
+    assert row.verdict == "NOT-RUN" and row.gated and "900 s" in row.reason
+    assert g.overall_verdict(rep) == "FAIL" and g.exit_code(rep) == g.EXIT_FAIL
+    # no claim applies (another model): reported, not gated
+    rep = run_gate(claims, _not_run(synthetic([0.0] * 5, model="no-such-model")))
+    (row,) = rep.rows
+    assert row.verdict == "NOT-RUN" and not row.gated and g.overall_verdict(rep) == "NOTHING-GATED"
+
+
+def test_regression_of_a_config_not_run_is_not_run():
+    noise = [0.01, -0.01, 0.005, -0.005, 0.0, 0.0]
+    base = _flat(1000.0, noise)
+    rep = g.gate([("cur.json", _not_run(_flat(1000.0, noise)))], [], baseline=("base.json", base))
+    verdicts = {r.config: r.verdict for r in rep.rows if r.kind == "regression"}
+    assert verdicts == {"bf16": "PASS", "fp8-linear": "NOT-RUN"} and g.exit_code(rep) == g.EXIT_FAIL
+
 def test_regression_needs_comparable_files():
     base = _flat(1000.0, [0.0, 0.01, -0.01])
     other = synthetic([0.0] * 3, metric="tflops", kind="gemm", config="fp8-row", hardware=CPU, workload={})

@@ -122,6 +122,45 @@ def test_interleaved_paired_repeats_same_prompts():
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
+
+class SlowConfigEngine(FakeRolloutEngine):
+    """fp8-kv costs 10 ms per generated token, bf16 nothing: a config an order of magnitude slower than the baseline
+    (as vLLM's FP8 PTPC linear on an AMX CPU)."""
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        if handle["recipe"] == "fp8-kv":
+            time.sleep(0.01 * max_new_tokens)
+        return super().rollout(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)
+
+
+def test_estimated_config_time_scales_the_pilot_exact():
+    assert harness.estimated_config_s(0.5, 2, 64, 4) == 4 * 0.5 * 64 / 2
+
+
+def test_config_over_the_budget_is_not_timed_and_says_why_bound():
+    """gen_len 40, 1 warm-up + 3 repeats: fp8-kv's pilot (2 tokens, >= 20 ms) estimates >= 4 x 20 ms x 20 = 1.6 s,
+    over a 1 s budget; bf16 (the baseline) always runs. Without a budget both are timed and nothing is piloted."""
+    eng = SlowConfigEngine()
+    res = _run(eng, gen_len=40, config_budget_s=1.0)
+    validate(res)
+    gen = [c for c in eng.calls if c[0] != "init"]
+    assert [(c[0], c[1]) for c in gen[:2]] == [("bf16", 2), ("fp8-kv", 2)]  # the pilots
+    assert [c[0] for c in gen[2:]] == ["bf16"] * 4 and {r["config"] for r in res["runs"]} == {"bf16"}
+    why = res["workload"]["skipped_configs"]["fp8-kv"]
+    assert "pilot rollout of 2 tokens" in why and "over the per-config budget of 1 s" in why
+    assert res["workload"]["config_budget_s"] == 1.0 and res["summary"]["fp8-kv"]["runs"] == 0
+    eng = SlowConfigEngine()
+    res = _run(eng, gen_len=4)
+    assert "skipped_configs" not in res["workload"] and all(c[1] == 4 for c in eng.calls if c[0] != "init")
+    res = _run(SlowConfigEngine(), gen_len=4, config_budget_s=60.0)
+    assert res["workload"]["skipped_configs"] == {} and {r["config"] for r in res["runs"]} == {"bf16", "fp8-kv"}
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, True, "10"])
+def test_config_budget_must_be_positive_seconds(budget):
+    with pytest.raises(ValueError, match="config_budget_s: expected a positive number"):
+        _run(FakeRolloutEngine(), config_budget_s=budget)
+
 def test_abba_order_and_tuple_output_without_stats():
     eng = FakeRolloutEngine(with_stats=False, as_tuple=True)
     res = _run(eng, configs=["bf16", "fp8-linear", "fp8-all"], order="abba", warmup=0, repeats=2)
