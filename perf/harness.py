@@ -204,15 +204,17 @@ def _check_tokens(toks: Any, prompts: Any, gen_len: int) -> tuple[list[str], int
     return problems, max(n, 0) * toks.shape[0]
 
 
-#: tokens of the pilot rollout that estimates a config's cost when a per-config budget is set
-PILOT_TOKENS = 2
-
-
-def estimated_config_s(pilot_s: float, pilot_tokens: int, gen_len: int, calls: int) -> float:
-    """Wall time of ``calls`` rollouts of ``gen_len`` tokens, from one pilot rollout of ``pilot_tokens`` tokens
-    that took ``pilot_s``: ``calls × pilot_s × gen_len / pilot_tokens``. The pilot's prefill is scaled with its
-    decode steps, so for a prefill-heavy config this overestimates: a budget errs towards not timing."""
-    return calls * pilot_s * gen_len / pilot_tokens
+def estimated_config_s(step1_s: float, prefill1_s: float, *, batch: int, prompt_len: int, gen_len: int,
+                       calls: int) -> float:
+    """Wall time of ``calls`` rollouts (``batch`` rows, ``prompt_len`` + ``gen_len`` tokens) from two pilot rollouts
+    of one row and one new token: ``step1_s`` with a 1-token prompt, ``prefill1_s`` with the ``prompt_len``-token
+    prompt. A forward of M tokens is taken to cost s + M·c: c = (prefill1_s − step1_s) / (prompt_len − 1) (≥ 0),
+    s = step1_s − c, and one rollout = a prefill (s + batch·prompt_len·c) and gen_len − 1 decode steps
+    (s + batch·c each). The pilots include the config's first-call costs (the first rollout of vLLM's PTPC recipe
+    took 5.9 s against 2.5 s after, measured), so the estimate errs towards not timing."""
+    c = max(0.0, (prefill1_s - step1_s) / (prompt_len - 1)) if prompt_len > 1 else 0.0
+    s = max(0.0, step1_s - c)
+    return calls * ((s + batch * prompt_len * c) + (gen_len - 1) * (s + batch * c))
 
 
 def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, prompt_len: int, gen_len: int,
@@ -224,9 +226,10 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
 
     ``configs[0]`` is the baseline. ``loaded`` = (name, config, state_dict, path) skips :func:`load_model`.
     ``progress(label)`` is called after every engine call. ``config_budget_s``: the most wall time one config's
-    warm-up and timed calls may take; each config first runs a pilot rollout of :data:`PILOT_TOKENS` tokens, and a
-    config whose estimate (:func:`estimated_config_s`) exceeds the budget is not timed: it has no runs, and
-    ``workload.skipped_configs[config]`` says why (the gate reports it NOT-RUN). The baseline always runs. Raises
+    warm-up and timed calls may take; each config first runs pilot rollouts (one row, one new token), and a
+    config whose estimate (:func:`estimated_config_s`) exceeds the budget, or whose pilot raises, is not timed: it has
+    no runs, and ``workload.skipped_configs[config]`` says why (the gate reports it NOT-RUN). The baseline always
+    runs (its pilot's error propagates). Raises
     :class:`RolloutUnavailable` when the engine cannot run it, ValueError for bad arguments.
     """
     from fp8rl.perf.model import get_precision
@@ -275,18 +278,32 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
 
     skipped: dict[str, str] = {}
     if config_budget_s is not None:
-        pilot_n = min(PILOT_TOKENS, gen_len)
-        for cfg in canon:
+        calls = warmup + repeats
+
+        def pilot(cfg: str, p: int) -> float:
             t0 = time.perf_counter()
-            engine.rollout(handles[cfg], prompts, pilot_n, greedy=greedy, seed=seed)
-            pilot_s = time.perf_counter() - t0
-            est = estimated_config_s(pilot_s, pilot_n, gen_len, warmup + repeats)
+            engine.rollout(handles[cfg], prompts[:1, :p], 1, greedy=greedy, seed=seed)
+            return time.perf_counter() - t0
+
+        for cfg in canon:
+            try:
+                step1 = pilot(cfg, 1)
+                # every decode step costs about a 1-token forward or more: no need for the second pilot
+                prefill1 = pilot(cfg, prompt_len) if calls * gen_len * step1 <= config_budget_s else step1
+            except Exception as exc:  # noqa: BLE001 - a config whose pilot fails is not timed, and says why
+                if cfg == canon[0]:
+                    raise
+                skipped[cfg] = f"not timed: its pilot rollout raised {type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            est = estimated_config_s(step1, prefill1, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+                                     calls=calls)
             if progress:
-                progress(f"pilot {cfg}: {pilot_s:.2f} s for {pilot_n} tokens, estimated {est:.0f} s")
+                progress(f"pilot {cfg}: {step1:.2f} s / {prefill1:.2f} s, estimated {est:.0f} s")
             if est > config_budget_s and cfg != canon[0]:
-                skipped[cfg] = (f"not timed: a pilot rollout of {pilot_n} tokens took {pilot_s:.2f} s, so "
-                                f"{warmup} warm-up + {repeats} timed calls of {gen_len} tokens would take about "
-                                f"{est:.0f} s, over the per-config budget of {config_budget_s:g} s")
+                skipped[cfg] = (f"not timed: pilot rollouts of one row and one new token took {step1:.2f} s "
+                                f"(1-token prompt) and {prefill1:.2f} s ({prompt_len}-token prompt), so {warmup} "
+                                f"warm-up + {repeats} timed calls would take about {est:.0f} s, over the per-config "
+                                f"budget of {config_budget_s:g} s")
     timed = [c for c in canon if c not in skipped]
     for cfg in timed:
         for _ in range(warmup):

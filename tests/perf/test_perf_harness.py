@@ -133,8 +133,13 @@ class SlowConfigEngine(FakeRolloutEngine):
         return super().rollout(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)
 
 
-def test_estimated_config_time_scales_the_pilot_exact():
-    assert harness.estimated_config_s(0.5, 2, 64, 4) == 4 * 0.5 * 64 / 2
+def test_estimated_config_time_from_the_two_pilots_bound():
+    # 1-token forward 1.0 s, 11-token prefill 2.0 s: c = 0.1 s per token, s = 0.9 s per step; batch 4, 11 + 5 tokens,
+    # 2 calls: prefill 0.9 + 44 x 0.1 = 5.3 s, 4 decode steps of 0.9 + 0.4 = 5.2 s, 2 x 10.5 = 21 s (by hand)
+    est = harness.estimated_config_s(1.0, 2.0, batch=4, prompt_len=11, gen_len=5, calls=2)
+    assert est == pytest.approx(21.0, rel=1e-12)
+    # a prefill pilot faster than the 1-token one (noise) gives c = 0: every step costs the 1-token forward
+    assert harness.estimated_config_s(1.0, 0.5, batch=4, prompt_len=11, gen_len=5, calls=2) == pytest.approx(10.0)
 
 
 def test_config_over_the_budget_is_not_timed_and_says_why_bound():
@@ -144,10 +149,13 @@ def test_config_over_the_budget_is_not_timed_and_says_why_bound():
     res = _run(eng, gen_len=40, config_budget_s=1.0)
     validate(res)
     gen = [c for c in eng.calls if c[0] != "init"]
-    assert [(c[0], c[1]) for c in gen[:2]] == [("bf16", 2), ("fp8-kv", 2)]  # the pilots
-    assert [c[0] for c in gen[2:]] == ["bf16"] * 4 and {r["config"] for r in res["runs"]} == {"bf16"}
+    # the pilots: one row, one new token, a 1-token then the 5-token prompt (fp8-kv: its 1-token pilot, 10 ms, times
+    # 4 calls x 40 tokens is over the budget already, so no second pilot)
+    assert [(c[0], c[1], len(c[2]), len(c[2][0])) for c in gen[:3]] == [
+        ("bf16", 1, 1, 1), ("bf16", 1, 1, 5), ("fp8-kv", 1, 1, 1)]
+    assert [c[0] for c in gen[3:]] == ["bf16"] * 4 and {r["config"] for r in res["runs"]} == {"bf16"}
     why = res["workload"]["skipped_configs"]["fp8-kv"]
-    assert "pilot rollout of 2 tokens" in why and "over the per-config budget of 1 s" in why
+    assert "pilot rollouts of one row and one new token" in why and "over the per-config budget of 1 s" in why
     assert res["workload"]["config_budget_s"] == 1.0 and res["summary"]["fp8-kv"]["runs"] == 0
     eng = SlowConfigEngine()
     res = _run(eng, gen_len=4)
@@ -155,6 +163,27 @@ def test_config_over_the_budget_is_not_timed_and_says_why_bound():
     res = _run(SlowConfigEngine(), gen_len=4, config_budget_s=60.0)
     assert res["workload"]["skipped_configs"] == {} and {r["config"] for r in res["runs"]} == {"bf16", "fp8-kv"}
 
+
+class DyingConfigEngine(FakeRolloutEngine):
+    """A config whose engine dies on its first call (vLLM: 'EngineDeadError')."""
+
+    def __init__(self, dies: str) -> None:
+        super().__init__()
+        self.dies = dies
+
+    def rollout(self, handle, prompts, max_new_tokens, *, greedy=True, seed=0):
+        if handle["recipe"] == self.dies:
+            raise RuntimeError("EngineCore encountered an issue")
+        return super().rollout(handle, prompts, max_new_tokens, greedy=greedy, seed=seed)
+
+
+def test_config_whose_pilot_raises_is_not_timed_and_the_baseline_raises():
+    res = _run(DyingConfigEngine("fp8-kv"), config_budget_s=60.0)
+    assert res["workload"]["skipped_configs"] == {
+        "fp8-kv": "not timed: its pilot rollout raised RuntimeError: EngineCore encountered an issue"}
+    assert {r["config"] for r in res["runs"]} == {"bf16"}
+    with pytest.raises(RuntimeError, match="EngineCore"):
+        _run(DyingConfigEngine("bf16"), config_budget_s=60.0)
 
 @pytest.mark.parametrize("budget", [0, -1.0, True, "10"])
 def test_config_budget_must_be_positive_seconds(budget):
