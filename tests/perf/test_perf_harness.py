@@ -136,23 +136,30 @@ class SlowConfigEngine(FakeRolloutEngine):
 def test_estimated_config_time_from_the_two_pilots_bound():
     # 1-token forward 1.0 s, 11-token prefill 2.0 s: c = 0.1 s per token, s = 0.9 s per step; batch 4, 11 + 5 tokens,
     # 2 calls: prefill 0.9 + 44 x 0.1 = 5.3 s, 4 decode steps of 0.9 + 0.4 = 5.2 s, 2 x 10.5 = 21 s (by hand)
-    est = harness.estimated_config_s(1.0, 2.0, batch=4, prompt_len=11, gen_len=5, calls=2)
+    est = harness.estimated_config_s(1.0, 2.0, short_len=1, batch=4, prompt_len=11, gen_len=5, calls=2)
     assert est == pytest.approx(21.0, rel=1e-12)
-    # a prefill pilot faster than the 1-token one (noise) gives c = 0: every step costs the 1-token forward
-    assert harness.estimated_config_s(1.0, 0.5, batch=4, prompt_len=11, gen_len=5, calls=2) == pytest.approx(10.0)
+    # the same machine seen through an 8-token pilot (s + 8c = 1.7 s) gives the same estimate
+    est = harness.estimated_config_s(1.7, 2.0, short_len=8, batch=4, prompt_len=11, gen_len=5, calls=2)
+    assert est == pytest.approx(21.0, rel=1e-12)
+    # a long pilot faster than the short one (noise) gives c = 0: every step costs the short forward
+    assert harness.estimated_config_s(1.0, 0.5, short_len=1, batch=4, prompt_len=11, gen_len=5,
+                                      calls=2) == pytest.approx(10.0)
+    # prompts no longer than the short pilot: one pilot, c = 0
+    assert harness.estimated_config_s(1.0, 1.0, short_len=5, batch=4, prompt_len=5, gen_len=5,
+                                      calls=2) == pytest.approx(10.0)
 
 
 def test_config_over_the_budget_is_not_timed_and_says_why_bound():
     """gen_len 40, 1 warm-up + 3 repeats: fp8-kv's pilot (2 tokens, >= 20 ms) estimates >= 4 x 20 ms x 20 = 1.6 s,
     over a 1 s budget; bf16 (the baseline) always runs. Without a budget both are timed and nothing is piloted."""
     eng = SlowConfigEngine()
-    res = _run(eng, gen_len=40, config_budget_s=1.0)
+    res = _run(eng, gen_len=40, prompt_len=12, config_budget_s=1.0)
     validate(res)
     gen = [c for c in eng.calls if c[0] != "init"]
-    # the pilots: one row, one new token, a 1-token then the 5-token prompt (fp8-kv: its 1-token pilot, 10 ms, times
+    # the pilots: one row, one new token, an 8-token then the 12-token prompt (fp8-kv: its short pilot, 10 ms, times
     # 4 calls x 40 tokens is over the budget already, so no second pilot)
     assert [(c[0], c[1], len(c[2]), len(c[2][0])) for c in gen[:3]] == [
-        ("bf16", 1, 1, 1), ("bf16", 1, 1, 5), ("fp8-kv", 1, 1, 1)]
+        ("bf16", 1, 1, 8), ("bf16", 1, 1, 12), ("fp8-kv", 1, 1, 8)]
     assert [c[0] for c in gen[3:]] == ["bf16"] * 4 and {r["config"] for r in res["runs"]} == {"bf16"}
     why = res["workload"]["skipped_configs"]["fp8-kv"]
     assert "pilot rollouts of one row and one new token" in why and "over the per-config budget of 1 s" in why
