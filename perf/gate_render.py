@@ -13,8 +13,11 @@ __all__ = ["to_markdown", "plot", "write_outputs"]
 
 
 def _fmt(x: float | None, nd: int = 3) -> str:
+    """``nd`` decimals; below 10^-(nd-1) ``nd`` significant digits instead (a 0.0024x claim floor is not "0.00")."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
+    if x != 0 and abs(x) < 10.0 ** -(nd - 1):
+        return f"{x:.{nd}g}"
     return f"{x:.{nd}f}"
 
 

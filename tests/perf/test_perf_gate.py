@@ -306,3 +306,11 @@ def test_markdown_json_and_plot(claims, tmp_path):
     d = rep.to_dict()
     assert d["verdict"] == "SUSPECT" and d["exit_code"] == g.EXIT_SUSPECT
     assert {r["verdict"] for r in d["rows"]} >= {"PASS", "SUSPECT"}
+
+
+def test_small_ratios_and_bounds_keep_their_digits_exact():
+    """The AMX PTPC claim's floor (0.0024x) and its measured ratio (~0.004x) rendered with fixed decimals read 0.00."""
+    assert (gate_render._fmt(0.0024, 2), gate_render._fmt(0.0037283, 3)) == ("0.0024", "0.00373")
+    assert (gate_render._fmt(0.046, 2), gate_render._fmt(1.2346, 3), gate_render._fmt(0.0, 2)) == ("0.046", "1.235",
+                                                                                                  "0.00")
+
