@@ -299,6 +299,16 @@ def _ge(a: float, b: float) -> bool:
     return a >= b * (1 - _REL_EPS)
 
 
+def _not_run_reason(result: dict, config: str) -> str | None:
+    """Why the harness did not time ``config`` (its per-config budget: ``workload.skipped_configs``), or None."""
+    return ((result.get("workload") or {}).get("skipped_configs") or {}).get(config)
+
+
+def _no_estimate(confidence: float) -> Estimate:
+    """The estimate of a comparison without a single valid pair."""
+    return Estimate(float("nan"), float("nan"), float("nan"), 0, confidence, "none")
+
+
 def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: float, n_resamples: int, seed: int,
                   method: str, min_pairs: int, default_slack: float, only_claims: set[str] | None) -> list[Row]:
     rows = []
@@ -309,15 +319,14 @@ def _speedup_rows(result: dict, file: str, claims: list[Claim], *, confidence: f
             if config == base_cfg:
                 continue
             cand_runs = _runs(result, group, config)
-            not_run = dict((result.get("workload") or {}).get("skipped_configs") or {}).get(config)
+            not_run = _not_run_reason(result, config)
             if not cand_runs and not not_run:
                 continue
             bad = [r for r in list(base_runs.values()) + list(cand_runs.values()) if not r.get("valid", True)]
             pairs = [(base_runs[i]["throughput"], cand_runs[i]["throughput"]) for i in sorted(cand_runs)
                      if i in base_runs and base_runs[i].get("valid", True) and cand_runs[i].get("valid", True)]
             est = paired_speedup([p[0] for p in pairs], [p[1] for p in pairs], confidence, n_resamples, seed,
-                                 method) if pairs else Estimate(float("nan"), float("nan"), float("nan"), 0,
-                                                                confidence, "none")
+                                 method) if pairs else _no_estimate(confidence)
             applicable = []
             for c in claims:
                 if only_claims is not None and c.id not in only_claims:
@@ -377,12 +386,12 @@ def _regression_rows(result: dict, file: str, baseline: dict, baseline_file: str
         for config in result["configs"]:
             cur = [r["throughput"] for r in _runs(result, group, config).values() if r.get("valid", True)]
             old = [r["throughput"] for r in _runs(baseline, group, config).values() if r.get("valid", True)]
-            not_run = dict((result.get("workload") or {}).get("skipped_configs") or {}).get(config)
+            not_run = _not_run_reason(result, config)
             if not cur and old and not_run:  # the baseline measured it; this run did not: nothing is certified
                 rows.append(Row(kind="regression", file=file, model=result["model"]["name"],
                                 engine=str(result["engine"]["name"]), hardware=_hw_label(result), group=group,
                                 baseline=f"baseline:{Path(baseline_file).name}", config=config,
-                                estimate=Estimate(float("nan"), float("nan"), float("nan"), 0, confidence, "none"),
+                                estimate=_no_estimate(confidence),
                                 verdict="NOT-RUN", claim_lower=1.0 - max_regression, reason=str(not_run),
                                 gated=True))
                 continue

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -206,16 +206,14 @@ def _matches(prefix: str, spec: CheckSpec, item: pytest.Item) -> bool:
     return spec.id.startswith(prefix) or item.nodeid.startswith(prefix) or f"{spec.id}[{_case(item)}]".startswith(prefix)
 
 
-def _entry_is_stale(prefix: str, checks: list) -> bool:
-    """Whether a vendor-file entry that matched nothing is stale: it names no check of the suite, or its check ran
-    in this run and none of its cases matched. An entry for a check this run did not select (``--area``, ``-k``)
-    is not: a vendor file covers every area while CI runs them in parts."""
-    from fp8rl.checks import all_checks
-
+def _entry_is_stale(prefix: str, checks: list, known_ids: Iterable[str], run_ids: set[str]) -> bool:
+    """Whether a vendor-file entry that matched nothing is stale: it names no check of the suite (``known_ids``), or
+    its check ran in this run (``run_ids``) and none of its cases matched. An entry for a check this run did not
+    select (``--area``, ``-k``) is not: a vendor file covers every area while CI runs them in parts."""
     if "::" in prefix or "/" in prefix:  # a node id: stale only if nothing of its file was collected
         return not any(it.nodeid.startswith(prefix.split("::")[0]) for it, _ in checks)
-    named = {cid for cid in all_checks() if cid.startswith(prefix) or prefix.startswith(f"{cid}[")}
-    return not named or bool(named & {spec.id for _, spec in checks})
+    named = {cid for cid in known_ids if cid.startswith(prefix) or prefix.startswith(f"{cid}[")}
+    return not named or bool(named & run_ids)
 
 
 def _case(item: pytest.Item) -> str:
@@ -243,6 +241,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if areas:
         checks = _deselect(config, items, checks, lambda it, spec: spec.area in areas)
     state: _RunState = config._fp8rl_state  # type: ignore[attr-defined]
+    run_ids = {spec.id for _, spec in checks}
+    known: list[set[str]] = []
+
+    def _known_ids() -> set[str]:  # every check of the suite, imported once and only if an entry matched nothing
+        if not known:
+            from fp8rl.checks import all_checks
+
+            known.append(set(all_checks()))
+        return known[0]
+
     for opt, kind in (("--fp8rl-xfails", "xfail"), ("--fp8rl-skips", "skip")):
         # a packaged vendor file the controller resolved reaches an xdist worker through its workerinput
         path = config.getoption(opt) or getattr(config, "workerinput", {}).get(f"fp8rl_{kind}s")
@@ -259,7 +267,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                         it.add_marker(pytest.mark.xfail(reason=f"vendor xfail: {reason}", strict=False))
                     else:
                         it.add_marker(pytest.mark.skip(reason=f"vendor skip: {reason}"))
-            if not hit and _entry_is_stale(prefix, checks):
+            if not hit and _entry_is_stale(prefix, checks, _known_ids(), run_ids):
                 msg = f"fp8rl: {opt[8:]} entry {prefix!r} matches no collected check (stale entry?)"
                 warnings.warn(msg, stacklevel=1)
                 state.warnings.append(msg)
