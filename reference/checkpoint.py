@@ -11,6 +11,12 @@ A blockwise-FP8 checkpoint is a directory with ``config.json`` and ``*.safetenso
                             "weight_block_size": [Bn, Bk],
                             "ignored_layers": [...], "modules_to_not_convert": [...]}
 
+A **per-tensor** FP8 checkpoint (``weight_block_size: null``) stores one scale per weight instead:
+``<module>.weight_scale``, a 0-d fp32 dequant multiplier (W ≈ fp8 · s), the name vLLM's ``Fp8LinearMethod``
+registers for per-tensor checkpoints (``PerTensorScaleParameter``, one per shard of a fused QKV / gate_up layer) and
+llm-compressor / AutoFP8 write. ``null`` is written explicitly: vLLM's ``Fp8Config`` reads an absent
+``weight_block_size`` as per-tensor, transformers' ``FineGrainedFP8Config`` as its default [128, 128].
+
 ``ignored_layers`` is the key vLLM reads, ``modules_to_not_convert`` the one transformers reads; the writer writes
 both with the same list: the module names (without ``.weight``) of the 2-D linear weights kept in BF16 that a loader
 building FP8 layers from the config would otherwise quantize (MoE routers, shared-expert gates, and any module the
@@ -41,14 +47,17 @@ from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 
-__all__ = ["ATTENTION_SCALES", "CheckpointError", "CheckpointSpec", "attention_scale_name",
-           "attention_scales_in_file", "dequantize_checkpoint", "dequantize_exact", "expected_attention_scales",
+__all__ = ["ATTENTION_SCALES", "PER_TENSOR_SCALE_SUFFIX", "CheckpointError", "CheckpointSpec", "attention_scale_name",
+           "attention_scales_in_file", "dequantize_checkpoint", "dequantize_exact", "per_tensor_state_dict", "scale_suffix", "expected_attention_scales",
            "fp8_pairs", "quantization_config", "write_attention_scales", "read_checkpoint", "round_exact", "write_checkpoint", "write_tensors"]
 
 #: the checkpoint's ``fmt`` string of each FP8 element format
 CONFIG_FMT = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
 _FMT_OF_DTYPE = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
 _ROUTERS = r"(^|\.)mlp\.(gate|shared_expert_gate)\.weight$"
+#: a per-tensor checkpoint's scale name suffix: ``<m>.weight`` → ``<m>.weight_scale`` (a blockwise one's is
+#: :data:`fp8rl.reference.weight_sync.SCALE_SUFFIX`, ``<m>.weight_scale_inv``)
+PER_TENSOR_SCALE_SUFFIX = "_scale"
 
 
 class CheckpointError(ValueError):
@@ -59,12 +68,12 @@ class CheckpointError(ValueError):
 class CheckpointSpec:
     """What the oracle writer writes.
 
-    ``block``: (Bn, Bk) weight tile; ``policy``: the ScalePolicy of the block quantizer (its ``fmt`` is the element
+    ``block``: (Bn, Bk) weight tile, or None for one scale per weight (a per-tensor checkpoint); ``policy``: the ScalePolicy of the block quantizer (its ``fmt`` is the element
     format); ``keep``: module names (``model.layers.0.self_attn.o_proj``) additionally kept in BF16 and listed as
     ignored; ``activation_scheme``: ``dynamic`` (the only one blockwise FP8 supports).
     """
 
-    block: tuple[int, int] = (128, 128)
+    block: tuple[int, int] | None = (128, 128)
     policy: ScalePolicy | str = "reference"
     keep: tuple[str, ...] = ()
     activation_scheme: str = "dynamic"
@@ -74,8 +83,9 @@ class CheckpointSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", get_policy(self.policy))
-        if len(self.block) != 2 or not all(isinstance(b, int) and b > 0 for b in self.block):
-            raise ValueError(f"block: expected two positive ints, got {self.block!r}")
+        if self.block is not None and (len(self.block) != 2
+                                       or not all(isinstance(b, int) and b > 0 for b in self.block)):
+            raise ValueError(f"block: expected two positive ints or None (per-tensor), got {self.block!r}")
         if get_policy(self.policy).fmt not in CONFIG_FMT:
             raise ValueError(f"policy: expected an e4m3fn or e5m2 policy, got {get_policy(self.policy).fmt!r}")
         if self.activation_scheme not in ("dynamic", "static"):
@@ -86,7 +96,7 @@ class CheckpointSpec:
 
     def recipe(self) -> ws.WeightSyncRecipe:
         keep = tuple(rf"(^|\.){re.escape(m)}\.weight$" for m in self.keep)
-        return ws.WeightSyncRecipe(block=tuple(self.block), policy=self.policy, include=self.include,  # type: ignore[arg-type]
+        return ws.WeightSyncRecipe(block=tuple(self.block or (128, 128)), policy=self.policy, include=self.include,  # type: ignore[arg-type]
                                    exclude=self.exclude + keep)
 
 
@@ -107,7 +117,8 @@ def ignored_modules(state_dict: Mapping[str, torch.Tensor], spec: CheckpointSpec
 def quantization_config(spec: CheckpointSpec, ignored: Sequence[str] = ()) -> dict[str, Any]:
     """The ``quantization_config`` the writer puts into config.json (see the module docstring)."""
     cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": CONFIG_FMT[get_policy(spec.policy).fmt],
-                           "activation_scheme": spec.activation_scheme, "weight_block_size": list(spec.block),
+                           "activation_scheme": spec.activation_scheme,
+                           "weight_block_size": None if spec.block is None else list(spec.block),
                            "ignored_layers": list(ignored), "modules_to_not_convert": list(ignored)}
     cfg.update(spec.extra_config)
     return cfg
@@ -137,8 +148,28 @@ def write_checkpoint(out_dir: str | Path, config: Mapping[str, Any], state_dict:
     spec = spec or CheckpointSpec()
     if not isinstance(spec, CheckpointSpec):
         raise TypeError(f"spec: expected a CheckpointSpec or None, got {type(spec).__name__}")
-    tensors = ws.quantize_state_dict(state_dict, spec.recipe())
+    if spec.block is None:
+        tensors = per_tensor_state_dict(state_dict, spec)
+    else:
+        tensors = ws.quantize_state_dict(state_dict, spec.recipe())
     return write_tensors(out_dir, config, tensors, quantization_config(spec, ignored_modules(state_dict, spec)))
+
+
+def per_tensor_state_dict(state_dict: Mapping[str, torch.Tensor], spec: CheckpointSpec) -> dict[str, torch.Tensor]:
+    """The tensors of a per-tensor checkpoint: each eligible weight (the recipe's filters) cast to BF16 and quantized
+    with one scale s = amax / fmt_max (the spec's policy: its floor, its rounding of s) to codes = cast(w / s),
+    stored as ``<m>.weight`` (FP8) and ``<m>.weight_scale`` (0-d fp32 s); every other tensor in BF16."""
+    from fp8rl.reference.quant import Granularity, quantize
+
+    tensors = ws.quantize_state_dict(state_dict, spec.recipe(),
+                                     quantize_fn=lambda x, _g: quantize(x, Granularity.tensor(), spec.policy))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight" + ws.SCALE_SUFFIX) and name[: -len(ws.SCALE_SUFFIX)] in tensors:
+            out[name[: -len(ws.SCALE_SUFFIX)] + PER_TENSOR_SCALE_SUFFIX] = t.reshape(())
+        else:
+            out[name] = t
+    return out
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -159,7 +190,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
 
 
 def _block(qc: Mapping[str, Any]) -> tuple[int, int] | None:
-    wbs = qc.get("weight_block_size")
+    """(Bn, Bk) of a blockwise checkpoint, None of a per-tensor one (``weight_block_size: null``)."""
+    if "weight_block_size" not in qc:
+        raise CheckpointError("quantization_config.weight_block_size: missing; expected [Bn, Bk] (blockwise) or null "
+                              "(per-tensor: vLLM reads an absent key as per-tensor, transformers as [128, 128])")
+    wbs = qc["weight_block_size"]
     if wbs is None:
         return None
     if not (isinstance(wbs, (list, tuple)) and len(wbs) == 2 and all(isinstance(b, int) and b > 0 for b in wbs)):
@@ -169,11 +204,14 @@ def _block(qc: Mapping[str, Any]) -> tuple[int, int] | None:
 
 def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
                                                                                                    torch.Tensor]]:
-    """Validate a blockwise-FP8 checkpoint and return ``weight name → (fp8 codes tensor, fp32 scale)``.
+    """Validate an FP8 checkpoint (blockwise, or per-tensor with ``weight_block_size: null``) and return ``weight
+    name → (fp8 codes tensor, fp32 scale)``: the scale grid (⌈N/Bn⌉, ⌈K/Bk⌉) of a blockwise file, (1, 1) of a
+    per-tensor one.
 
-    Raises :class:`CheckpointError` for: a config that is not ``quant_method: fp8`` with a ``weight_block_size``;
-    an FP8 weight without ``*_scale_inv`` (missing scale) or a scale without its weight; a scale whose shape is not
-    (⌈N/Bn⌉, ⌈K/Bk⌉) (wrong shape, or a ``weight_block_size`` that contradicts the shapes); a scale that is NaN,
+    Raises :class:`CheckpointError` for: a config that is not ``quant_method: fp8`` with a ``weight_block_size``
+    key; an FP8 weight without ``*_scale_inv`` (``*_scale`` for per-tensor: missing scale) or a scale without its
+    weight; a scale whose shape is not (⌈N/Bn⌉, ⌈K/Bk⌉) (wrong shape, or a ``weight_block_size`` that contradicts
+    the shapes), or not a single value in a per-tensor file; a scale that is NaN,
     ±inf, negative or not fp32/bf16; an FP8 dtype other than the config's ``fmt``; a module listed in
     ``ignored_layers`` / ``modules_to_not_convert`` stored in FP8.
     """
@@ -182,8 +220,7 @@ def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         raise CheckpointError("config.quantization_config: expected a dict with quant_method 'fp8', got "
                               f"{qc!r}")
     block = _block(qc)
-    if block is None:
-        raise CheckpointError("quantization_config.weight_block_size: missing; a blockwise checkpoint needs [Bn, Bk]")
+    suffix = ws.SCALE_SUFFIX if block is not None else PER_TENSOR_SCALE_SUFFIX
     fmt = qc.get("fmt", "e4m3")
     want_fmt = {v: k for k, v in CONFIG_FMT.items()}.get(fmt)
     if want_fmt is None:
@@ -191,9 +228,9 @@ def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
     ignored = set(qc.get("ignored_layers") or ()) | set(qc.get("modules_to_not_convert") or ())
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, t in tensors.items():
-        if name.endswith(ws.SCALE_SUFFIX):
-            if name[: -len(ws.SCALE_SUFFIX)] not in tensors:
-                raise CheckpointError(f"{name}: a scale without its weight {name[: -len(ws.SCALE_SUFFIX)]!r}")
+        if name.endswith(".weight" + suffix):
+            if name[: -len(suffix)] not in tensors:
+                raise CheckpointError(f"{name}: a scale without its weight {name[: -len(suffix)]!r}")
             continue
         if t.dtype not in _FMT_OF_DTYPE and t.dtype not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
             continue
@@ -204,16 +241,24 @@ def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         if _FMT_OF_DTYPE.get(t.dtype) != want_fmt:
             raise CheckpointError(f"{name}: dtype {t.dtype}, but quantization_config.fmt is {fmt!r} "
                                   f"(expected {ws.FP8_TORCH_DTYPES[want_fmt]})")
-        sname = ws.scale_name(name)
+        sname = name + suffix
         if sname not in tensors:
-            raise CheckpointError(f"{name}: FP8 weight without its scale {sname!r}")
+            raise CheckpointError(f"{name}: FP8 weight without its scale {sname!r}"
+                                  + (" (weight_block_size is null: a per-tensor file)" if block is None else ""))
         s = tensors[sname]
         if t.dim() != 2:
             raise CheckpointError(f"{name}: expected a 2-D FP8 weight, got shape {tuple(t.shape)}")
-        want_shape = (math.ceil(t.shape[0] / block[0]), math.ceil(t.shape[1] / block[1]))
+        if block is None:
+            if s.numel() != 1:
+                raise CheckpointError(f"{sname}: shape {tuple(s.shape)}, expected a single per-tensor scale "
+                                      "(weight_block_size is null)")
+            s = s.reshape(1, 1)
+            want_shape = (1, 1)
+        else:
+            want_shape = (math.ceil(t.shape[0] / block[0]), math.ceil(t.shape[1] / block[1]))
         if tuple(s.shape) != want_shape:
             raise CheckpointError(f"{sname}: shape {tuple(s.shape)}, expected {want_shape} = ceil({tuple(t.shape)} "
-                                  f"/ weight_block_size {list(block)})")
+                                  f"/ weight_block_size {list(block or ())})")
         if s.dtype not in (torch.float32, torch.bfloat16):
             raise CheckpointError(f"{sname}: dtype {s.dtype}, expected torch.float32")
         sf = s.float()
@@ -267,13 +312,18 @@ def dequantize_checkpoint(path: str | Path | None = None, *, config: Mapping[str
         raise ValueError("dequantize_checkpoint: expected path, or config and tensors")
     pairs = fp8_pairs(config, tensors)
     block = _block(config["quantization_config"])
-    assert block is not None
+    suffix = ws.SCALE_SUFFIX if block is not None else PER_TENSOR_SCALE_SUFFIX
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith(ws.SCALE_SUFFIX) and name[: -len(ws.SCALE_SUFFIX)] in pairs:
+        if name.endswith(suffix) and name[: -len(suffix)] in pairs:
             continue
-        out[name] = dequantize_exact(t, pairs[name][1], block, dtype) if name in pairs else t
+        out[name] = dequantize_exact(t, pairs[name][1], block or (t.shape[0], t.shape[1]), dtype) if name in pairs else t
     return out
+
+
+def scale_suffix(config: Mapping[str, Any]) -> str:
+    """The scale-name suffix of an FP8 checkpoint's config: ``_scale_inv`` (blockwise) or ``_scale`` (per-tensor)."""
+    return ws.SCALE_SUFFIX if _block(config["quantization_config"]) is not None else PER_TENSOR_SCALE_SUFFIX
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -251,8 +251,9 @@ def fp8_weights_any(config: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
         scheme, _ = weight_scheme(config)
         return {n: (c, expand_scale(s, scheme, tuple(c.shape))) for n, (c, s) in fp8_weights(config, tensors).items()}
     pairs = ck.fp8_pairs(config, tensors)
-    block = config["quantization_config"]["weight_block_size"]
-    return {n: (c, expand_scale(s, CTWeightScheme("block", block=tuple(block)), tuple(c.shape)))  # type: ignore[arg-type]
+    block = config["quantization_config"]["weight_block_size"]  # null: per-tensor, the (1, 1) scale broadcast
+    return {n: (c, expand_scale(s, CTWeightScheme("block", block=tuple(block or c.shape)),  # type: ignore[arg-type]
+                                tuple(c.shape)))
             for n, (c, s) in pairs.items()}
 
 

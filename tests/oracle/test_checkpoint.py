@@ -105,8 +105,56 @@ def test_reader_rejects_fmt_mismatch_and_fp8_ignored_layer(tmp_path):
         ck.dequantize_checkpoint(config=bad, tensors=tensors)
 
 
+def test_per_tensor_writer_matches_torch_cast_exact(tmp_path):
+    """The per-tensor layout against an independent computation: s = fl32(amax(|bf16 w|) / 448) in fp64 arithmetic,
+    codes = torch's float8_e4m3fn cast of w / s (fp64 division, one rounding at the cast: the oracle's RNE), the
+    scale a 0-d fp32 ``<m>.weight_scale``, config weight_block_size null; the reader gives codes x s exactly."""
+    tm = fixtures.tiny_model("tiny-qwen3")
+    path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict, ck.CheckpointSpec(block=None))
+    config, tensors = ck.read_checkpoint(path)
+    assert config["quantization_config"]["weight_block_size"] is None
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["weight_block_size"] is None
+    got = ck.dequantize_checkpoint(path, dtype=torch.float64)
+    names = ws.quantized_names(tm.state_dict)
+    assert len(names) == 14
+    for name in names:
+        w = tm.state_dict[name].to(torch.bfloat16).double()
+        s = torch.tensor(float(w.abs().max()) / 448.0, dtype=torch.float32)
+        codes, stored = tensors[name], tensors[name + "_scale"]
+        assert stored.shape == () and stored.dtype == torch.float32 and torch.equal(stored, s), name
+        want = (w / s.double()).to(torch.float8_e4m3fn)
+        assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), name
+        assert torch.equal(got[name], codes.double() * s.double()), name
+        assert ws.scale_name(name) not in tensors
+    for i in range(2):  # the shards a loader fuses (QKV, gate_up) have different scales: what the loader must keep
+        at = f"model.layers.{i}."
+        qkv = {float(tensors[f"{at}self_attn.{x}_proj.weight_scale"]) for x in "qkv"}
+        assert len(qkv) == 3, qkv
+        assert tensors[f"{at}mlp.gate_proj.weight_scale"] != tensors[f"{at}mlp.up_proj.weight_scale"]
+
+
+def test_per_tensor_reader_keeps_attention_scales_and_rejects_bad_files(tmp_path):
+    tm = fixtures.tiny_model("tiny-qwen3")
+    path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict, ck.CheckpointSpec(block=None))
+    ck.write_attention_scales(path, {0: {"k": 0.5, "v": 0.25}})
+    config, tensors = ck.read_checkpoint(path)
+    got = ck.dequantize_checkpoint(config=config, tensors=tensors)
+    assert float(got["model.layers.0.self_attn.k_scale"]) == 0.5  # a *_scale that is no weight's stays as stored
+    q = "model.layers.0.self_attn.q_proj.weight"
+    bad = dict(tensors, **{q + "_scale": torch.ones(2)})
+    with pytest.raises(ck.CheckpointError, match=r"q_proj.weight_scale: shape \(2,\), expected a single per-tensor"):
+        ck.dequantize_checkpoint(config=config, tensors=bad)
+    bad = {(k + "_inv" if k == q + "_scale" else k): v for k, v in tensors.items()}  # transformers' per-tensor name
+    with pytest.raises(ck.CheckpointError, match=r"q_proj.weight: FP8 weight without its scale .*weight_scale'"
+                                                  r" \(weight_block_size is null"):
+        ck.dequantize_checkpoint(config=config, tensors=bad)
+    bad = dict(tensors, **{q + "_scale": torch.tensor(float("nan"))})
+    with pytest.raises(ck.CheckpointError, match="q_proj.weight_scale: 1 of 1 scales are NaN"):
+        ck.dequantize_checkpoint(config=config, tensors=bad)
+
+
 def test_spec_validates_arguments():
-    with pytest.raises(ValueError, match="block: expected two positive ints"):
+    with pytest.raises(ValueError, match="block: expected two positive ints or None"):
         ck.CheckpointSpec(block=(128, 0))
     with pytest.raises(ValueError, match="activation_scheme"):
         ck.CheckpointSpec(activation_scheme="weird")
