@@ -255,14 +255,18 @@ def _scratch() -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = (),
+def _oracle_checkpoint(model: str, block: tuple[int, int] | None = (128, 128), keep: tuple[str, ...] = (),
                        fmt: str = "fp8") -> Path:
-    """The oracle's checkpoint of ``model``: blockwise FP8 (``fmt="fp8"``) or the same codes and scales in the
-    compressed-tensors block-strategy form (``fmt="compressed-tensors"``, fp8rl.reference.checkpoint_ct)."""
+    """The oracle's checkpoint of ``model``: blockwise FP8 (``fmt="fp8"``), per-tensor FP8 (``fmt="fp8-per-tensor"``:
+    one ``weight_scale`` per projection, so q/k/v and gate/up, which a loader fuses, have different scales), or the
+    blockwise codes and scales in the compressed-tensors block-strategy form (``fmt="compressed-tensors"``,
+    fp8rl.reference.checkpoint_ct)."""
     import tempfile
 
     tm = fixtures.tiny_model(model)
     root = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=_scratch()))
+    if fmt == "fp8-per-tensor":
+        block = None
     path = ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
     if fmt == "compressed-tensors":
         config, tensors = cct.from_blockwise(*ck.read_checkpoint(path))
@@ -270,14 +274,21 @@ def _oracle_checkpoint(model: str, block: tuple[int, int] = (128, 128), keep: tu
     return path
 
 
-#: the formats a loader is fed (case ids: the model for blockwise FP8, "<quant_method>:<model>" for the others)
+#: the formats a loader is fed (case ids: the model for blockwise FP8, "per-tensor:<model>" for per-tensor FP8,
+#: "<quant_method>:<model>" for the others)
 LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
+    [pytest.param("fp8-per-tensor", m, id=f"per-tensor:{m}") for m in CKPT_MODELS] + \
     [pytest.param("compressed-tensors", m, id=f"compressed-tensors:{m}") for m in CKPT_MODELS]
 
 
+def _case_label(fmt: str, model: str) -> str:
+    return model if fmt == "fp8" else f"{fmt.replace('fp8-', '')}:{model}"
+
+
 def _loads_format(engine, fmt: str) -> None:
-    """Skip (with the loader's reason) a file format the loader does not declare in ``checkpoint_formats``."""
-    reason = checkpoint_format_reason(engine, fmt)
+    """Skip (with the loader's reason) a file format the loader does not declare in ``checkpoint_formats`` (a
+    per-tensor FP8 file is quant_method ``fp8``: a loader of that method reads both of its layouts)."""
+    reason = checkpoint_format_reason(engine, "fp8" if fmt == "fp8-per-tensor" else fmt)
     if reason is not None:
         pytest.skip(reason)
 
@@ -298,7 +309,7 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
             bad.append(f"{name}: {getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}, "
                        f"expected shape {tuple(w.shape)}")
             continue
-        if name in tensors and tensors[name].dtype == h.dtype and ws.scale_name(name) not in tensors:
+        if name in tensors and tensors[name].dtype == h.dtype and name + ck.scale_suffix(config) not in tensors:
             want = tensors[name]  # stored as is
         elif h.dtype in (torch.bfloat16, torch.float32, torch.float64):
             want = ck.round_exact(w, h.dtype)
@@ -322,18 +333,20 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
 @pytest.mark.parametrize("fmt, model", LOAD_CASES)
 @check("CKPT-LOAD-001", "A loader loading the oracle's 128x128 checkpoint of a tiny model holds every quantized "
        "weight equal to codes x block scales of the file (computed exactly, rounded once to the dtype it holds) "
-       "and every other tensor as stored, under the checkpoint's names; the same codes and scales in the "
-       "compressed-tensors block-strategy form for a loader that declares that format.",
+       "and every other tensor as stored, under the checkpoint's names; the same for the oracle's per-tensor "
+       "checkpoint (weight_block_size null, one weight_scale per projection: the shards of a fused QKV or gate_up "
+       "layer have different scales, each must dequantize with its own), and for the 128x128 codes and scales in "
+       "the compressed-tensors block-strategy form for a loader that declares that format.",
        requires=["checkpoint.load"])
 def test_checkpoint_loader_exact(engine, fmt, model):
     _loads_format(engine, fmt)
     path = _oracle_checkpoint(model, fmt=fmt)
-    _compare_loaded(engine.checkpoint_load(path), path, model if fmt == "fp8" else f"{fmt}:{model}")
+    _compare_loaded(engine.checkpoint_load(path), path, _case_label(fmt, model))
 
 
 @pytest.mark.parametrize("fmt, model", LOAD_CASES)
-@check("CKPT-LOAD-005", "The model a loader loads from the oracle's 128x128 checkpoint of a tiny model (or the same "
-       "codes and scales in the compressed-tensors form) gives the tokens of a rollout sampled from the oracle's "
+@check("CKPT-LOAD-005", "The model a loader loads from the oracle's 128x128 or per-tensor checkpoint of a tiny "
+       "model (or the 128x128 codes and scales in the compressed-tensors form) gives the tokens of a rollout sampled from the oracle's "
        "dequantized model (codes x scales exactly, rounded once to BF16, in a BF16 transformers model) the "
        "oracle's log-probs within the e2e area's bf16 budgets of that model (k3 KL, token_mult_prob_error, "
        "max |dlogp|): held weights that match the file are not enough if the forward computes with others.",
@@ -351,7 +364,7 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
     record_metrics(**{k: m[k] for k in E.METRICS},
                    err_over_bound=max(m[k] / E.budget(k, model, "bf16") for k in ("k3_kl", "max_abs_dlogp")))
     over = E.budget_violations(m, model, "bf16")
-    assert not over, f"{fmt}:{model}: the loaded model's log-probs vs the oracle's dequantized model: " \
+    assert not over, f"{_case_label(fmt, model)}: the loaded model's log-probs vs the oracle's dequantized model: " \
         + "; ".join(over) + f" (mean |dlogp| {m['mean_abs_dlogp']:.3g} over {lp.numel()} tokens)"
 
 

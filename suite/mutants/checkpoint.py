@@ -150,17 +150,20 @@ def _reload_with(path, block=None, scale_fn=None, skip_ignored=False, validate=T
     qc = config["quantization_config"]
     if validate:
         ck.fp8_pairs(config, tensors)
-    b = tuple(block or qc["weight_block_size"])
+    per_tensor = block is None and qc.get("weight_block_size") is None
+    suffix = ck.PER_TENSOR_SCALE_SUFFIX if per_tensor else ws.SCALE_SUFFIX
     ignored = set(qc.get("ignored_layers") or ()) | set(qc.get("modules_to_not_convert") or ())
     out = {}
     for name, t in tensors.items():
-        if name.endswith(ws.SCALE_SUFFIX):
+        if name.endswith(".weight" + suffix):
             continue
-        sname = ws.scale_name(name)
+        sname = name + suffix
         if sname in tensors:
             s = tensors[sname].float()
             s = scale_fn(s) if scale_fn else s
-            out[name] = ck.dequantize_exact(t, s, b, torch.bfloat16)  # type: ignore[arg-type]
+            b = tuple(t.shape) if per_tensor else tuple(block or qc["weight_block_size"])
+            out[name] = ck.dequantize_exact(t, s.reshape(1, 1) if per_tensor else s, b,  # type: ignore[arg-type]
+                                            torch.bfloat16)
         elif skip_ignored and name.endswith(".weight") and name[: -len(".weight")] in ignored \
                 and t.dim() == 2 and ".mlp.gate." not in name:
             # builds an FP8 layer anyway: the BF16 weight is cast to e4m3fn with scale 1
@@ -208,6 +211,34 @@ class LoaderIgnoresIgnored(ReferenceEngine):
 class LoaderBf16Math(ReferenceEngine):
     def checkpoint_load(self, path):
         return _reload_with(path, scale_fn=lambda s: s.to(torch.bfloat16).float())
+
+
+#: the projections a loader fuses into one layer (vLLM's packed_modules_mapping of Qwen3: qkv_proj, gate_up_proj)
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+@mutant("ckpt-loader-fused-max-scale", "loading a per-tensor checkpoint, the loader fuses q/k/v and gate/up into "
+        "one layer with one scale, the largest of its shards' (as vLLM's requantize_with_max_scale does), but keeps "
+        "each shard's codes as stored instead of requantizing them to that scale: every shard but the one with the "
+        "largest scale is scaled up", kills=("CKPT-LOAD-001",))
+class LoaderFusedMaxScale(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+
+        config, tensors = ck.read_checkpoint(path)
+        held = super().checkpoint_load(path)
+        if ck.scale_suffix(config) != ck.PER_TENSOR_SCALE_SUFFIX:
+            return held
+        fused: dict[tuple[str, str], list[str]] = {}
+        for name in tensors:
+            prefix, _, short = name[: -len(".weight")].rpartition(".") if name.endswith(".weight") else ("", "", "")
+            if short in _FUSED and name + ck.PER_TENSOR_SCALE_SUFFIX in tensors:
+                fused.setdefault((prefix, _FUSED[short]), []).append(name)
+        for names in fused.values():
+            top = max(tensors[n + ck.PER_TENSOR_SCALE_SUFFIX].float().reshape(()) for n in names)
+            for n in names:
+                held[n] = ck.dequantize_exact(tensors[n], top.reshape(1, 1), tuple(tensors[n].shape))
+        return held
 
 
 @mutant("ckpt-loader-no-validation", "the loader trusts the file: a missing scale counts as 1, a scale grid of "
