@@ -13,13 +13,14 @@ held dtype) and, for a loader with ``checkpoint.score``, its model's log-probs o
 dequantized model are within the e2e bf16 budgets of the oracle's (CKPT-LOAD-005's statement), a **deviation** (with counts and the max error), **error** (the loader raised) or **not run** (the
 reason). Writes ``matrix.json``, ``matrix.md`` and a self-contained ``matrix.html`` heat map.
 
-Two formats: blockwise FP8 (``quant_method: fp8``, fp8rl.reference.checkpoint) and compressed-tensors FP8
-(``quant_method: compressed-tensors``, e.g. writer ``compressed-tensors``; fp8rl.reference.checkpoint_ct); the file
-and cell judges read both (by ``quant_method``). A loader runs only on the formats its engine lists in
+Formats: blockwise FP8 (``quant_method: fp8``, fp8rl.reference.checkpoint), per-tensor FP8 (``quant_method: fp8``
+with ``weight_block_size: null`` and one ``<m>.weight_scale`` per projection: writer ``reference-per-tensor``, the
+oracle writer's per-tensor layout) and compressed-tensors FP8 (``quant_method: compressed-tensors``, e.g. writer
+``compressed-tensors``; fp8rl.reference.checkpoint_ct); the file and cell judges read all three. A loader runs only on the formats its engine lists in
 ``checkpoint_formats`` (default ``("fp8",)``); other cells are **not run**, with the reason.
 
 Exit: 0 when every cell that ran is conformant or a known deviation (the loader's vendor xfails list
-``CKPT-LOAD-001[<format>:<model>]``, ``<format>`` the file's ``quant_method``; for a ``fp8`` file the plain
+``CKPT-LOAD-001[<format>:<model>]``, ``<format>`` the file's ``quant_method``, or ``per-tensor``; for a ``fp8`` file the plain
 ``CKPT-LOAD-001[<model>]`` of the conformance check, whose checkpoints are blockwise, counts too) and every file is within bound or a known deviation (the writer's vendor xfails list
 ``WSYNC-BOUND-001[<model>]``, the same bound), 1 otherwise, 2 on a usage or engine-load error.
 """
@@ -36,6 +37,9 @@ from typing import Any
 from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
+#: the oracle writer in the per-tensor layout (weight_block_size null, one ``<m>.weight_scale`` per projection): a
+#: writer name of its own, so that the matrix has a row for it
+PER_TENSOR_WRITER = "reference-per-tensor"
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +48,8 @@ def register(subparsers: Any) -> None:
                                                         "(blockwise and compressed-tensors; tiny-qwen3, "
                                                         "tiny-qwen3-moe)")
     p.add_argument("--writer", action="append", default=None,
-                   help="writer engine (repeatable; default: reference)")
+                   help=f"writer engine (repeatable; default: reference and {PER_TENSOR_WRITER}, the oracle writer's "
+                        "per-tensor layout)")
     p.add_argument("--loader", action="append", default=None,
                    help="loader engine (repeatable; default: reference and hf-fp8)")
     p.add_argument("--model", action="append", default=None, choices=MODELS, help="model (repeatable; default both)")
@@ -54,7 +59,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_checkpoint_matrix)
 
 
-def _write(engine: Any, root: Path, model: str) -> Path:
+def _write(engine: Any, root: Path, model: str, per_tensor: bool = False) -> Path:
     from fp8rl import capabilities as _caps  # noqa: F401  (the table the keys below come from)
     from fp8rl import fixtures
     from fp8rl.engine import capability_reason
@@ -62,6 +67,9 @@ def _write(engine: Any, root: Path, model: str) -> Path:
 
     tm = fixtures.tiny_model(model)
     out = root / model
+    if per_tensor:
+        return ck.write_checkpoint(out, tm.config, tm.state_dict,
+                                   ck.CheckpointSpec(block=None, policy=engine.scale_policy("block")))
     if capability_reason(engine, "checkpoint.write") is None:
         return Path(engine.checkpoint_write(out, tm.config, tm.state_dict))
     spec = ck.CheckpointSpec(policy=engine.scale_policy("block"))
@@ -84,13 +92,13 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
     import torch
     from fp8rl.reference import checkpoint as ck
     from fp8rl.reference import checkpoint_ct as cct
-    from fp8rl.reference import weight_sync as ws
 
     config, tensors = ck.read_checkpoint(path)
     try:
         want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
+        suffix = cct.SCALE_SUFFIX if cct.is_compressed_tensors(config) else ck.scale_suffix(config)
     except ck.CheckpointError as exc:
-        what = "compressed-tensors FP8" if cct.is_compressed_tensors(config) else "blockwise-FP8"
+        what = "compressed-tensors FP8" if cct.is_compressed_tensors(config) else "FP8"
         return {"status": "deviation", "detail": f"the file is not a valid {what} checkpoint: {exc}"}
     missing = sorted(set(want64) - set(held))
     if missing:
@@ -99,7 +107,7 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
     total = 0
     for name, w in want64.items():
         h = held[name]
-        if name in tensors and ws.scale_name(name) not in tensors and h.dtype == tensors[name].dtype:
+        if name in tensors and name + suffix not in tensors and h.dtype == tensors[name].dtype:
             want = tensors[name]
         else:
             want = ck.round_exact(w, h.dtype if h.dtype in (torch.bfloat16, torch.float32) else torch.float32)
@@ -181,6 +189,17 @@ def _quant_method(path: Path) -> str | None:
     return qc.get("quant_method") if isinstance(qc, dict) else None
 
 
+def _file_format(path: Path) -> str | None:
+    """The cell's format: the file's ``quant_method``, ``per-tensor`` for an ``fp8`` file whose
+    ``weight_block_size`` is null (its findings are keyed ``CKPT-LOAD-001[per-tensor:<model>]``, as the
+    conformance check's per-tensor cases)."""
+    fmt = _quant_method(path)
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    if fmt == "fp8" and "weight_block_size" in qc and qc["weight_block_size"] is None:
+        return "per-tensor"
+    return fmt
+
+
 def _format_reason(engine: Any, path: Path) -> str | None:
     """None if the loader reads the file's ``quant_method``, else why not (fp8rl.engine.checkpoint_format_reason)."""
     from fp8rl.engine import checkpoint_format_reason
@@ -215,7 +234,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     from fp8rl.engine import capability_reason
     from fp8rl.registry import EngineLoadError, load_engine
 
-    writers = args.writer or ["reference"]
+    writers = args.writer or ["reference", PER_TENSOR_WRITER]
     loaders = args.loader or ["reference", "hf-fp8"]
     models = args.model or list(MODELS)
     out = Path(args.out)
@@ -229,7 +248,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     engines: dict[str, Any] = {}
     try:
         for name in dict.fromkeys(writers + loaders):
-            engines[name] = load_engine(name)
+            engines[name] = load_engine("reference" if name == PER_TENSOR_WRITER else name)
     except EngineLoadError as exc:
         print(str(exc))
         return EXIT_USAGE
@@ -242,7 +261,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
                 written[(w, m)] = target if (target / "config.json").is_file() else f"writer not available: {reason}"
                 continue
             try:
-                written[(w, m)] = _write(engines[w], ckroot / w.replace(":", "_"), m)
+                written[(w, m)] = _write(engines[w], ckroot / w.replace(":", "_"), m, w == PER_TENSOR_WRITER)
             except Exception as exc:  # noqa: BLE001 - a writer failure is a cell outcome
                 written[(w, m)] = f"writer raised {type(exc).__name__}: {str(exc)[:300]}"
     files: dict[tuple[str, str], dict[str, Any]] = {
@@ -256,7 +275,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
             for m in models:
                 cell: dict[str, Any] = {"writer": w, "loader": ld, "model": m, "file": files[(w, m)]}
                 src = written[(w, m)]
-                fmt = None if isinstance(src, str) else _quant_method(src)
+                fmt = None if isinstance(src, str) else _file_format(src)
                 cell["format"] = fmt
                 lr = capability_reason(engines[ld], "checkpoint.load")
                 fr = None if isinstance(src, str) else _format_reason(engines[ld], src)
