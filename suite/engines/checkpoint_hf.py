@@ -145,6 +145,23 @@ class HfFp8Engine(Engine):
                 "checkpoint.attention_scales": _KV_REASON}
 
     def _load_model(self, path: Any) -> Any:
+        """:meth:`_from_pretrained` of ``path``, the last one kept: checkpoint_load and checkpoint_score of one file
+        (CKPT-LOAD-001 then CKPT-LOAD-005, a matrix cell) share one load. The key is the directory and the name,
+        size and mtime of each of its files, so a rewritten checkpoint loads again."""
+        from pathlib import Path
+
+        p = Path(path).resolve()
+        key = (str(p), tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir()
+                                    if f.is_file())))
+        last = getattr(self, "_last_model", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        self._last_model = None  # a failed load keeps nothing
+        model = self._from_pretrained(path)
+        self._last_model = (key, model)
+        return model
+
+    def _from_pretrained(self, path: Any) -> Any:
         """``transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` (a compressed-tensors
         checkpoint with ``quantization_config=CompressedTensorsConfig(dequantize=True)``, see the module docstring);
         a failed weight conversion raises naming transformers' first conversion error."""

@@ -36,6 +36,34 @@ def test_without_accelerate_load_says_why(monkeypatch):
     assert "GPU" in (capability_reason(HfFp8Engine(), "checkpoint.write") or "")
 
 
+def test_one_checkpoint_loads_once_and_a_rewritten_one_again(monkeypatch, tmp_path):
+    """checkpoint_load then checkpoint_score of one file share one from_pretrained; a rewritten file (size or mtime
+    of a file changed) or another directory loads again; a failed load is not kept."""
+    loads = []
+
+    def fake(self, path):
+        loads.append(str(path))
+        if "broken" in str(path):
+            raise RuntimeError("conversion failed")
+        return object()
+
+    monkeypatch.setattr(HfFp8Engine, "_from_pretrained", fake)
+    eng = HfFp8Engine()
+    for d in ("a", "b", "broken"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text("{}")
+    first = eng._load_model(tmp_path / "a")
+    assert eng._load_model(tmp_path / "a") is first and len(loads) == 1
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"x")
+    assert eng._load_model(tmp_path / "a") is not first and len(loads) == 2
+    eng._load_model(tmp_path / "b")
+    assert len(loads) == 3
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="conversion failed"):
+            eng._load_model(tmp_path / "broken")
+    assert len(loads) == 5
+
+
 def test_vendor_xfails_file_is_valid():
     assert_vendor_xfails_valid(XFAILS, min_reason=81)
 
@@ -90,19 +118,50 @@ def test_finding_bad_checkpoints_load_silently(defect, differ, nonfinite):
 
 @PIN
 @needs_loader
+@pytest.mark.parametrize("model, fp8_held, wrong", [("tiny-qwen3", 0, 1228769), ("tiny-qwen3-moe", 48, 393204)])
+def test_finding_per_tensor_weight_scale_ignored_exact(model, fp8_held, wrong):
+    """A per-tensor checkpoint (weight_block_size null) with vLLM's scale name ``<m>.weight_scale`` loads with every
+    dense projection at scale 1 (the raw FP8 values) and the MoE experts left in FP8; the same file with transformers'
+    own per-tensor name ``weight_scale_inv`` loads exactly (the control: the name is the whole cause)."""
+    from fp8rl.conformance import test_checkpoint as tc
+
+    path = tc._oracle_checkpoint(model, fmt="fp8-per-tensor")
+    config, tensors = ck.read_checkpoint(path)
+    want = ck.dequantize_checkpoint(config=config, tensors=tensors)
+    projections = [n for n in want if n.endswith("proj.weight") and n + "_scale" in tensors]
+
+    def judged(held):
+        fp8 = [n for n in projections if held[n].dtype == torch.float8_e4m3fn]
+        return len(fp8), sum(int((held[n].double() != want[n].double()).sum()) for n in projections if n not in fp8)
+
+    assert judged(HfFp8Engine().checkpoint_load(path)) == (fp8_held, wrong)
+    renamed = {(k + "_inv" if k.endswith(".weight_scale") else k): v for k, v in tensors.items()}
+    control = ck.write_tensors(tempfile.mkdtemp(prefix="fp8rl-hf-pt-"), config, renamed, config["quantization_config"])
+    assert judged(HfFp8Engine().checkpoint_load(control)) == (0, 0)
+
+
+@PIN
+@needs_loader
 def test_interop_matrix_reference_writer_cells(tmp_path):
-    """The writer x loader matrix in this tier: the oracle writer's checkpoints through the oracle and transformers
-    (conformant, except the known non-multiple-of-128 failure), exit 0 (the failure is a listed deviation)."""
+    """The writer x loader matrix in this tier (its default writers: the oracle writer, blockwise and per-tensor):
+    through the oracle, conformant; through transformers, the blockwise MoE file conformant, the known
+    non-multiple-of-128 failure and the known ignored per-tensor weight_scale (a deviation with the count of
+    CKPT-LOAD-001[per-tensor:tiny-qwen3], keyed by the per-tensor format, not by the blockwise finding); exit 0 (every
+    failure is a listed deviation)."""
     import json
 
     from fp8rl.cli import main
 
-    assert main(["checkpoint-matrix", "--writer", "reference", "--loader", "reference", "--loader", "hf-fp8",
-                 "--out", str(tmp_path)]) == 0
-    cells = {(c["loader"], c["model"]): c for c in json.loads((tmp_path / "matrix.json").read_text())["cells"]}
-    assert cells[("hf-fp8", "tiny-qwen3-moe")]["status"] == "conformant"
-    assert cells[("hf-fp8", "tiny-qwen3")]["status"] == "error" and cells[("hf-fp8", "tiny-qwen3")]["known"]
-    assert all(cells[("reference", m)]["status"] == "conformant" for m in ("tiny-qwen3", "tiny-qwen3-moe"))
+    assert main(["checkpoint-matrix", "--loader", "reference", "--loader", "hf-fp8", "--out", str(tmp_path)]) == 0
+    cells = {(c["writer"], c["loader"], c["model"]): c
+             for c in json.loads((tmp_path / "matrix.json").read_text())["cells"]}
+    assert cells[("reference", "hf-fp8", "tiny-qwen3-moe")]["status"] == "conformant"
+    assert cells[("reference", "hf-fp8", "tiny-qwen3")]["status"] == "error"
+    assert cells[("reference", "hf-fp8", "tiny-qwen3")]["known"]
+    pt = cells[("reference-per-tensor", "hf-fp8", "tiny-qwen3")]
+    assert (pt["status"], pt["format"], pt["values_differ"], pt["known"]) == ("deviation", "per-tensor", 1228769, True)
+    assert all(cells[(w, "reference", m)]["status"] == "conformant" for w in ("reference", "reference-per-tensor")
+               for m in ("tiny-qwen3", "tiny-qwen3-moe"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
