@@ -57,8 +57,9 @@ class VllmLLMMixin:
         amx = _amx_reason()
         caps["checkpoint.load"] = True if amx is None else (
             f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start without AMX "
-            f"(measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)'): {amx} "
-            "(docs/checkpoint.md)")
+            f"(measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)'), and a "
+            "per-tensor FP8 checkpoint does not start on any CPU (its requantize step calls "
+            f"_C::static_scaled_fp8_quant, a stub in the CPU build): {amx} (docs/checkpoint.md)")
         caps["checkpoint.score"] = True if amx is None else (
             f"vllm {v} on CPU: a model with FP8 weights from a checkpoint does not start: {amx}")
         caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"

@@ -80,6 +80,41 @@ def test_finding_amx_fp8_gemm_decodes_exponent_zero_codes_as_normals_exact():
     assert values == [2.0**-7, -(2.0**-7), 1.125 * 2.0**-7, -1.375 * 2.0**-7]
 
 
+_STATIC_QUANT = """
+import torch
+from vllm import _custom_ops as ops
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+try:
+    ops.scaled_fp8_quant(torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(1))
+except RuntimeError as e:
+    print("RAISED", e)
+else:
+    print("QUANTIZED")
+"""
+
+
+@needs_vllm
+@PIN
+def test_finding_static_fp8_quant_is_a_cpu_stub():
+    """CKPT-LOAD-001/005[per-tensor:*] (vllm.xfails) at the op: vLLM loads a per-tensor FP8 checkpoint by requantizing
+    each fused layer's shards to their largest scale (requantize_with_max_scale), through ops.scaled_fp8_quant with a
+    static scale, whose torch.ops._C.static_scaled_fp8_quant the CPU build registers with no arguments. Any CPU,
+    AMX or not."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _STATIC_QUANT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("RAISED") and "static_scaled_fp8_quant() expected at most 0 argument(s)" in last, last
+
+
+def test_xfails_name_the_per_tensor_finding():
+    ids = {entry[0] for entry in parse_id_file(XFAILS)}
+    assert {f"CKPT-LOAD-00{n}[per-tensor:{m}]" for n in (1, 5) for m in ("tiny-qwen3", "tiny-qwen3-moe")} <= ids
+
+
 @needs_vllm
 @PIN
 def test_finding_absent_q_scale_is_one_not_k_scale_exact():
