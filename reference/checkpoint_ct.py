@@ -33,7 +33,10 @@ in fp64 (exact) and rounds **once** (:func:`fp8rl.reference.checkpoint.round_exa
 :func:`dequantize_any` and :func:`fp8_weights_any` read either format (dispatch on ``quant_method``);
 :func:`to_blockwise` rewrites a block-strategy file as the oracle's blockwise form (``*_weight_scale_inv`` fp32,
 ``quant_method: fp8``), for comparing a compressed-tensors writer with the blockwise oracle; :func:`from_blockwise`
-the other way, so that the oracle's checkpoints can be fed to compressed-tensors loaders.
+the other way, so that the oracle's checkpoints can be fed to compressed-tensors loaders. :func:`channel_tensors` /
+:func:`write_channel_checkpoint` write the oracle's own per-channel file (llm-compressor's ``FP8_DYNAMIC`` scheme:
+one scale per output row, dynamic per-token FP8 activations), the compressed-tensors layout that vLLM runs on
+every CPU.
 
 Pure: torch and fp8rl.reference only.
 """
@@ -51,7 +54,8 @@ from fp8rl.reference import checkpoint as ck
 
 __all__ = ["QUANT_METHOD", "STRATEGIES", "CTWeightScheme", "dequantize_any", "dequantize_checkpoint",
            "dequantize_exact", "expand_scale", "fp8_weights", "fp8_weights_any", "is_compressed_tensors",
-           "from_blockwise", "is_ignored", "quantization_config", "scale_shape", "to_blockwise", "weight_scheme"]
+           "from_blockwise", "is_ignored", "quantization_config", "scale_shape", "to_blockwise", "weight_scheme",
+           "channel_tensors", "channel_quantization_config", "write_channel_checkpoint"]
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "float-quantized"
@@ -327,3 +331,50 @@ def quantization_config(scheme: CTWeightScheme, ignore: Sequence[str]) -> dict[s
     return {"quant_method": QUANT_METHOD, "format": FORMAT,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": FORMAT}},
             "ignore": list(ignore)}
+
+
+#: the activation args of llm-compressor's FP8_DYNAMIC scheme (compressed-tensors ``quantization/quant_scheme.py``):
+#: FP8 per token, scale computed at run time
+TOKEN_DYNAMIC_ACTIVATIONS: Mapping[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                                "strategy": "token"}
+
+
+def channel_tensors(state_dict: Mapping[str, torch.Tensor], spec: ck.CheckpointSpec | None = None) -> dict[
+        str, torch.Tensor]:
+    """The tensors of the oracle's per-channel checkpoint: each weight the blockwise writer would quantize (``spec``'s
+    include / exclude / keep filters) cast to BF16 and quantized with one scale per output row,
+    s_n = amax(|w[n, :]|) / fmt_max under ``spec.policy`` (its floor and rounding of s), codes = cast(w / s_n),
+    stored as ``<m>.weight`` (e4m3fn) and ``<m>.weight_scale`` (N, 1) fp32; every other tensor in BF16."""
+    from fp8rl.reference import weight_sync as ws
+    from fp8rl.reference.quant import Granularity, quantize
+
+    spec = spec or ck.CheckpointSpec()
+    tensors = ws.quantize_state_dict(state_dict, spec.recipe(),
+                                     quantize_fn=lambda x, _g: quantize(x, Granularity.channel(), spec.policy))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight" + ws.SCALE_SUFFIX) and name[: -len(ws.SCALE_SUFFIX)] in tensors:
+            w = tensors[name[: -len(ws.SCALE_SUFFIX)]]
+            out[name[: -len(ws.SCALE_SUFFIX)] + SCALE_SUFFIX] = t.reshape(w.shape[0], 1).float()
+        else:
+            out[name] = t
+    return out
+
+
+def channel_quantization_config(ignore: Sequence[str]) -> dict[str, Any]:
+    """The ``quantization_config`` of :func:`write_channel_checkpoint`: :func:`quantization_config` of the channel
+    strategy, ``quantization_status: compressed``, FP8_DYNAMIC's per-token dynamic input activations."""
+    cfg = dict(quantization_config(CTWeightScheme("channel"), ignore), quantization_status="compressed")
+    cfg["config_groups"]["group_0"]["input_activations"] = dict(TOKEN_DYNAMIC_ACTIVATIONS)
+    return cfg
+
+
+def write_channel_checkpoint(out_dir: Any, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
+                             spec: ck.CheckpointSpec | None = None) -> Any:
+    """The oracle's per-channel compressed-tensors checkpoint (:func:`channel_tensors`) of ``state_dict`` in
+    ``out_dir``; ``ignore`` = the 2-D linears kept in BF16 (:func:`fp8rl.reference.checkpoint.ignored_modules`)
+    plus ``lm_head`` when stored (a ``Linear`` target would include it). Returns the directory."""
+    spec = spec or ck.CheckpointSpec()
+    ignore = sorted(set(ck.ignored_modules(state_dict, spec)) | ({"lm_head"} if "lm_head.weight" in state_dict
+                                                                 else set()))
+    return ck.write_tensors(out_dir, config, channel_tensors(state_dict, spec), channel_quantization_config(ignore))

@@ -133,6 +133,38 @@ def test_per_tensor_writer_matches_torch_cast_exact(tmp_path):
         assert tensors[f"{at}mlp.gate_proj.weight_scale"] != tensors[f"{at}mlp.up_proj.weight_scale"]
 
 
+def test_channel_writer_matches_torch_cast_exact(tmp_path):
+    """The compressed-tensors channel layout (FP8_DYNAMIC) against an independent computation: per output row
+    s_n = fl32(amax(|bf16 w[n, :]|) / 448) in fp64 arithmetic, codes = torch's float8_e4m3fn cast of w / s_n, the
+    scales an (N, 1) fp32 ``<m>.weight_scale``; the config a channel-strategy weight group with dynamic per-token
+    activations, lm_head ignored; the compressed-tensors reader gives codes x s_n exactly."""
+    from fp8rl.reference import checkpoint_ct as cct
+
+    tm = fixtures.tiny_model("tiny-qwen3-moe")
+    path = cct.write_channel_checkpoint(tmp_path, tm.config, tm.state_dict)
+    config, tensors = ck.read_checkpoint(path)
+    qc = config["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert (qc["quant_method"], group["weights"]["strategy"], group["weights"]["dynamic"]) == \
+        ("compressed-tensors", "channel", False)
+    assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                          "strategy": "token"}
+    routers = [n[: -len(".weight")] for n in tm.state_dict if n.endswith("mlp.gate.weight")]
+    assert routers and set(qc["ignore"]) == {"lm_head", *routers}
+    got = cct.dequantize_checkpoint(config, tensors, dtype=torch.float64)
+    names = ws.quantized_names(tm.state_dict)
+    assert names
+    for name in names:
+        w = tm.state_dict[name].to(torch.bfloat16).double()
+        s = (w.abs().amax(dim=1, keepdim=True) / 448.0).float()
+        codes, stored = tensors[name], tensors[name + "_scale"]
+        assert stored.shape == (w.shape[0], 1) and stored.dtype == torch.float32 and torch.equal(stored, s), name
+        want = (w / s.double()).to(torch.float8_e4m3fn)
+        assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), name
+        assert torch.equal(got[name], codes.double() * s.double()), name
+    assert len(set(tensors[names[0] + "_scale"].flatten().tolist())) > 1  # one scale per row, not one per tensor
+
+
 def test_per_tensor_reader_keeps_attention_scales_and_rejects_bad_files(tmp_path):
     tm = fixtures.tiny_model("tiny-qwen3")
     path = ck.write_checkpoint(tmp_path, tm.config, tm.state_dict, ck.CheckpointSpec(block=None))
