@@ -9,7 +9,9 @@ huge amax, outliers, ragged shapes); its ``quantization_config`` must say what t
 Loaders (capability ``checkpoint.load``): the engine loads a checkpoint written by the oracle writer
 (fp8rl.reference.checkpoint) and returns the weights it holds; each must equal codes × block scales of the file,
 computed exactly and rounded once to the dtype the loader holds; the config's ``weight_block_size`` and
-``ignored_layers`` / ``modules_to_not_convert`` must be honoured; a malformed checkpoint must raise.
+``ignored_layers`` / ``modules_to_not_convert`` must be honoured; a malformed checkpoint must raise. The oracle's
+files come in four layouts (``fp8rl.engine.CHECKPOINT_LAYOUTS``): blockwise FP8, per-tensor FP8, and the
+compressed-tensors block and channel (FP8_DYNAMIC) strategies; a loader is fed those it declares.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import torch
 from fp8rl import fixtures
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, check, record_metrics
-from fp8rl.engine import EngineError, checkpoint_format_reason
+from fp8rl.engine import EngineError, checkpoint_layout_reason
 from fp8rl.reference import checkpoint as ck
 from fp8rl.reference import checkpoint_ct as cct
 from fp8rl.reference import weight_sync as ws
@@ -258,13 +260,16 @@ def _scratch() -> Path:
 def _oracle_checkpoint(model: str, block: tuple[int, int] | None = (128, 128), keep: tuple[str, ...] = (),
                        fmt: str = "fp8") -> Path:
     """The oracle's checkpoint of ``model``: blockwise FP8 (``fmt="fp8"``), per-tensor FP8 (``fmt="fp8-per-tensor"``:
-    one ``weight_scale`` per projection, so q/k/v and gate/up, which a loader fuses, have different scales), or the
+    one ``weight_scale`` per projection, so q/k/v and gate/up, which a loader fuses, have different scales), the
     blockwise codes and scales in the compressed-tensors block-strategy form (``fmt="compressed-tensors"``,
-    fp8rl.reference.checkpoint_ct)."""
+    fp8rl.reference.checkpoint_ct), or the compressed-tensors channel strategy with dynamic per-token activations
+    (``fmt="compressed-tensors-channel"``: one scale per output row, llm-compressor's FP8_DYNAMIC)."""
     import tempfile
 
     tm = fixtures.tiny_model(model)
     root = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=_scratch()))
+    if fmt == "compressed-tensors-channel":
+        return Path(cct.write_channel_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(keep=keep)))
     if fmt == "fp8-per-tensor":
         block = None
     path = ck.write_checkpoint(root, tm.config, tm.state_dict, ck.CheckpointSpec(block=block, keep=keep))
@@ -274,11 +279,12 @@ def _oracle_checkpoint(model: str, block: tuple[int, int] | None = (128, 128), k
     return path
 
 
-#: the formats a loader is fed (case ids: the model for blockwise FP8, "per-tensor:<model>" for per-tensor FP8,
-#: "<quant_method>:<model>" for the others)
+#: the layouts a loader is fed (case ids: the model for blockwise FP8, "per-tensor:<model>" for per-tensor FP8,
+#: "<layout>:<model>" for the others)
 LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
     [pytest.param("fp8-per-tensor", m, id=f"per-tensor:{m}") for m in CKPT_MODELS] + \
-    [pytest.param("compressed-tensors", m, id=f"compressed-tensors:{m}") for m in CKPT_MODELS]
+    [pytest.param("compressed-tensors", m, id=f"compressed-tensors:{m}") for m in CKPT_MODELS] + \
+    [pytest.param("compressed-tensors-channel", m, id=f"compressed-tensors-channel:{m}") for m in CKPT_MODELS]
 
 
 def _case_label(fmt: str, model: str) -> str:
@@ -286,19 +292,31 @@ def _case_label(fmt: str, model: str) -> str:
 
 
 def _loads_format(engine, fmt: str) -> None:
-    """Skip (with the loader's reason) a file format the loader does not declare in ``checkpoint_formats`` (a
-    per-tensor FP8 file is quant_method ``fp8``: a loader of that method reads both of its layouts)."""
-    reason = checkpoint_format_reason(engine, "fp8" if fmt == "fp8-per-tensor" else fmt)
+    """Skip (with the loader's reason) a layout whose quant_method the loader does not declare in
+    ``checkpoint_formats``, or that the loader says it can't load here (fp8rl.engine.checkpoint_layout_reason)."""
+    reason = checkpoint_layout_reason(engine, fmt)
     if reason is not None:
         pytest.skip(reason)
+
+
+def _recipe(fmt: str) -> str:
+    """The e2e recipe whose budgets a loaded model of layout ``fmt`` is held to: ``fp8-linear-ptpc`` for the
+    channel layout, whose config prescribes dynamic per-token FP8 activations (a correct loader runs W8A8 with
+    per-channel weight scales: that recipe's numerics), ``bf16`` otherwise (the other layouts' dynamic activation
+    scheme is also FP8, but their budgets were measured for W8A16 loaders; docs/checkpoint.md)."""
+    return "fp8-linear-ptpc" if fmt == "compressed-tensors-channel" else "bf16"
 
 
 def _compare_loaded(held: dict, path: Path, context: str) -> None:
     """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype."""
     if not isinstance(held, dict):
         raise AssertionError(f"{context}: checkpoint_load returned {type(held).__name__}, expected a dict")
-    config, tensors = _read_blockwise(path, context)
-    want64 = ck.dequantize_checkpoint(config=config, tensors=tensors, dtype=torch.float64)
+    config, tensors = ck.read_checkpoint(path)
+    try:
+        want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
+    except ck.CheckpointError as exc:
+        raise AssertionError(f"{context}: not a valid FP8 checkpoint: {exc}") from exc
+    suffix = cct.SCALE_SUFFIX if cct.is_compressed_tensors(config) else ck.scale_suffix(config)
     missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
     assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
         f"{missing[:6]}, unexpected {extra[:6]}"
@@ -309,7 +327,7 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
             bad.append(f"{name}: {getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}, "
                        f"expected shape {tuple(w.shape)}")
             continue
-        if name in tensors and tensors[name].dtype == h.dtype and name + ck.scale_suffix(config) not in tensors:
+        if name in tensors and tensors[name].dtype == h.dtype and name + suffix not in tensors:
             want = tensors[name]  # stored as is
         elif h.dtype in (torch.bfloat16, torch.float32, torch.float64):
             want = ck.round_exact(w, h.dtype)
@@ -335,8 +353,9 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
        "weight equal to codes x block scales of the file (computed exactly, rounded once to the dtype it holds) "
        "and every other tensor as stored, under the checkpoint's names; the same for the oracle's per-tensor "
        "checkpoint (weight_block_size null, one weight_scale per projection: the shards of a fused QKV or gate_up "
-       "layer have different scales, each must dequantize with its own), and for the 128x128 codes and scales in "
-       "the compressed-tensors block-strategy form for a loader that declares that format.",
+       "layer have different scales, each must dequantize with its own), and, for a loader that declares the "
+       "compressed-tensors format, for the 128x128 codes and scales in its block-strategy form and for the "
+       "oracle's channel-strategy (FP8_DYNAMIC) checkpoint, one scale per output row.",
        requires=["checkpoint.load"])
 def test_checkpoint_loader_exact(engine, fmt, model):
     _loads_format(engine, fmt)
@@ -349,7 +368,9 @@ def test_checkpoint_loader_exact(engine, fmt, model):
        "model (or the 128x128 codes and scales in the compressed-tensors form) gives the tokens of a rollout sampled from the oracle's "
        "dequantized model (codes x scales exactly, rounded once to BF16, in a BF16 transformers model) the "
        "oracle's log-probs within the e2e area's bf16 budgets of that model (k3 KL, token_mult_prob_error, "
-       "max |dlogp|): held weights that match the file are not enough if the forward computes with others.",
+       "max |dlogp|): held weights that match the file are not enough if the forward computes with others. The "
+       "channel-strategy checkpoint prescribes dynamic per-token FP8 activations: its budgets are the "
+       "fp8-linear-ptpc recipe's.",
        bound="e2e_mismatch", requires=["checkpoint.score"])
 def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
     from fp8rl.reference.rollout import mismatch_metrics
@@ -361,10 +382,11 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
     tokens, lp_oracle = E.checkpoint_oracle_scored(str(path), E.sampling_seed(run_seed))
     lp = engine.checkpoint_score(path, tokens, E.prompt_len())
     m = mismatch_metrics(lp, lp_oracle)
+    recipe = _recipe(fmt)
     record_metrics(**{k: m[k] for k in E.METRICS},
-                   err_over_bound=max(m[k] / E.budget(k, model, "bf16") for k in ("k3_kl", "max_abs_dlogp")))
-    over = E.budget_violations(m, model, "bf16")
-    assert not over, f"{_case_label(fmt, model)}: the loaded model's log-probs vs the oracle's dequantized model: " \
+                   err_over_bound=max(m[k] / E.budget(k, model, recipe) for k in ("k3_kl", "max_abs_dlogp")))
+    over = E.budget_violations(m, model, recipe)
+    assert not over, f"{_case_label(fmt, model)}: the loaded model's log-probs vs the oracle's dequantized model ({recipe} budgets): " \
         + "; ".join(over) + f" (mean |dlogp| {m['mean_abs_dlogp']:.3g} over {lp.numel()} tokens)"
 
 
@@ -373,6 +395,7 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
        "128x64 blocks loads with each weight equal to codes x its block's scale exactly (no 128x128 assumption, "
        "no transposed block).", requires=["checkpoint.load"])
 def test_checkpoint_loader_block_size_exact(engine, block):
+    _loads_format(engine, "fp8")
     path = _oracle_checkpoint("tiny-qwen3-moe", block)
     _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, weight_block_size {list(block)}")
 
@@ -384,6 +407,7 @@ KEPT = ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.q_proj")
        "in BF16 and lists there (besides the routers) are held bit-identical to the stored BF16 weights, the rest "
        "dequantized exactly.", requires=["checkpoint.load"])
 def test_checkpoint_loader_ignored_layers_exact(engine):
+    _loads_format(engine, "fp8")
     path = _oracle_checkpoint("tiny-qwen3-moe", (128, 128), KEPT)
     _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, {len(KEPT)} projections kept BF16")
 
@@ -433,6 +457,7 @@ BAD_DEFECTS = ("scale-wrong-shape", "scale-missing", "scale-nan", "scale-inf", "
        "scale, a NaN or inf scale, a weight_block_size that contradicts the scale shapes) raises an error instead "
        "of holding weights.", requires=["checkpoint.load"])
 def test_checkpoint_loader_rejects_bad_exact(engine, defect):
+    _loads_format(engine, "fp8")
     path = _bad_checkpoint(defect)
     try:
         held = engine.checkpoint_load(path)
@@ -530,6 +555,7 @@ def _oracle_checkpoint_with_attention_scales() -> Path:
        "projection or mistaken for a weight scale); it may keep or drop the attention scales themselves.",
        requires=["checkpoint.load"])
 def test_checkpoint_loader_with_attention_scales_exact(engine):
+    _loads_format(engine, "fp8")
     path = _oracle_checkpoint_with_attention_scales()
     held = engine.checkpoint_load(path)
     if isinstance(held, dict):

@@ -189,6 +189,12 @@ class GuardedEngine:
     def capabilities(self):
         return self.inner.capabilities()
 
+    def checkpoint_layout_reason(self, layout: str) -> str | None:
+        """A declaration, like :meth:`capabilities`, not an op (None means: this layout loads here; see
+        fp8rl.engine.checkpoint_layout_reason)."""
+        hook = getattr(self.inner, "checkpoint_layout_reason", None)
+        return None if hook is None else hook(layout)
+
     def __getattr__(self, item: str) -> Any:
         # ops added by later areas are guarded generically (exceptions only)
         attr = getattr(self.inner, item)

@@ -361,6 +361,27 @@ def checkpoint_format_reason(engine: Engine, quant_method: str | None) -> str | 
             + (f" ({note})" if note else ""))
 
 
+#: the checkpoint layouts the loader checks feed a loader (conformance CKPT-LOAD-001/005 cases, ``fp8rl
+#: checkpoint-matrix`` rows) → their ``quant_method``: blockwise FP8 (``weight_block_size`` [Bn, Bk]), per-tensor
+#: FP8 (``weight_block_size`` null), compressed-tensors block strategy, compressed-tensors channel strategy with
+#: dynamic per-token activations (llm-compressor's FP8_DYNAMIC)
+CHECKPOINT_LAYOUTS = {"fp8": "fp8", "fp8-per-tensor": "fp8", "compressed-tensors": "compressed-tensors",
+                      "compressed-tensors-channel": "compressed-tensors"}
+
+
+def checkpoint_layout_reason(engine: Engine, layout: str) -> str | None:
+    """None if the loader ``engine`` reads checkpoints of ``layout`` (a key of :data:`CHECKPOINT_LAYOUTS`), else why
+    not: its quant_method is not among the engine's ``checkpoint_formats`` (:func:`checkpoint_format_reason`), or
+    the engine's optional ``checkpoint_layout_reason(layout)`` says why it can't here (e.g. vLLM's block-FP8 CPU
+    kernel needs AMX tiles while its channel-wise kernel runs on any CPU)."""
+    if layout not in CHECKPOINT_LAYOUTS:
+        raise ValueError(f"layout: expected one of {sorted(CHECKPOINT_LAYOUTS)}, got {layout!r}")
+    reason = checkpoint_format_reason(engine, CHECKPOINT_LAYOUTS[layout])
+    hook = getattr(engine, "checkpoint_layout_reason", None)
+    return reason if reason is not None or hook is None else hook(layout)
+
+
 __all__ = ["ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
            "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "checkpoint_format_reason",
+           "CHECKPOINT_LAYOUTS", "checkpoint_layout_reason",
            "import_failure", "per_tensor_kv_input"]

@@ -241,6 +241,23 @@ class LoaderFusedMaxScale(ReferenceEngine):
         return held
 
 
+@mutant("ckpt-loader-ct-strategy-ignored", "loading a compressed-tensors checkpoint, the loader ignores the "
+        "weights' strategy and reads every weight_scale as one per-tensor scale (its first entry): a channel-strategy "
+        "(FP8_DYNAMIC) file dequantizes every row with row 0's scale", kills=("CKPT-LOAD-001",))
+class LoaderCtStrategyIgnored(ReferenceEngine):
+    def checkpoint_load(self, path):
+        from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import checkpoint_ct as cct
+
+        config, tensors = ck.read_checkpoint(path)
+        held = super().checkpoint_load(path)
+        if not cct.is_compressed_tensors(config):
+            return held
+        for name, (codes, scale) in cct.fp8_weights(config, tensors).items():
+            held[name] = cct.dequantize_exact(codes, scale.reshape(-1)[:1], cct.CTWeightScheme("tensor"))
+        return held
+
+
 @mutant("ckpt-loader-no-validation", "the loader trusts the file: a missing scale counts as 1, a scale grid of "
         "the wrong shape is broadcast from its first column, NaN/inf scales and a contradicting weight_block_size "
         "pass", kills=("CKPT-BAD-001",))

@@ -168,5 +168,54 @@ def test_matrix_logprobs_deviation_of_a_loader_whose_forward_misreads_scales(tmp
 
     assert bad["logprobs"]["status"] == "deviation"
     assert bad["logprobs"]["k3_kl"] > 10 * tolerances.e2e_budget("k3_kl", "tiny-qwen3", "bf16")
-    assert "log-probs vs the oracle's dequantized model: k3_kl" in bad["detail"]
+    assert "log-probs vs the oracle's dequantized model (bf16 budgets): k3_kl" in bad["detail"]
     assert "conformant (log-probs: max Δlogp 0, k3 KL 0)" in (out / "matrix.md").read_text()
+
+
+def test_matrix_channel_layout_row_and_a_loader_that_cannot_load_it_here(tmp_path, monkeypatch):
+    """Writer ``reference-channel`` (the oracle's FP8_DYNAMIC file): read exactly by the reference loader, format
+    ``compressed-tensors-channel``; a loader whose ``checkpoint_layout_reason`` refuses that layout on this machine
+    gets a "not run" cell with its reason, the blockwise row still runs."""
+    from fp8rl.engines.reference import ReferenceEngine
+
+    monkeypatch.setattr(ReferenceEngine, "checkpoint_layout_reason",
+                        lambda self, layout: "no channel kernel here" if layout == "compressed-tensors-channel"
+                        else None, raising=False)
+    out = tmp_path / "m"
+    rc = main(["checkpoint-matrix", "--writer", "reference-channel", "--writer", "reference", "--loader",
+               "mutant:ckpt-loader-ct-strategy-ignored", "--model", "tiny-qwen3", "--out", str(out)])
+    doc = json.loads((out / "matrix.json").read_text())
+    cells = {c["writer"]: c for c in doc["cells"]}
+    ch = cells["reference-channel"]
+    assert ch["format"] == "compressed-tensors-channel" and ch["file"]["status"] == "conformant"
+    assert ch["status"] == "not run" and "no channel kernel here" in ch["detail"]
+    assert cells["reference"]["status"] == "conformant"  # the mutant misreads compressed-tensors files only
+    assert rc == 0
+    monkeypatch.undo()
+    rc = main(["checkpoint-matrix", "--writer", "reference-channel", "--loader", "reference", "--loader",
+               "mutant:ckpt-loader-ct-strategy-ignored", "--model", "tiny-qwen3", "--out", str(tmp_path / "n")])
+    cells = {c["loader"]: c for c in json.loads((tmp_path / "n" / "matrix.json").read_text())["cells"]}
+    assert cells["reference"]["status"] == "conformant" and cells["reference"]["logprobs"]["k3_kl"] == 0.0
+    bad = cells["mutant:ckpt-loader-ct-strategy-ignored"]
+    assert bad["status"] == "deviation" and bad["values_differ"] > 0 and not bad["known"]
+    assert rc == 1
+
+
+def test_checkpoint_layout_reason_checks_the_format_then_the_engine():
+    from fp8rl.engine import CHECKPOINT_LAYOUTS, checkpoint_layout_reason
+    from fp8rl.engines.reference import ReferenceEngine
+
+    class FP8Only(ReferenceEngine):
+        checkpoint_formats = ("fp8",)
+
+        def checkpoint_layout_reason(self, layout):
+            return "needs AMX" if layout == "fp8" else None
+
+    eng = FP8Only()
+    assert set(CHECKPOINT_LAYOUTS) == {"fp8", "fp8-per-tensor", "compressed-tensors", "compressed-tensors-channel"}
+    assert checkpoint_layout_reason(eng, "fp8") == "needs AMX"
+    assert checkpoint_layout_reason(eng, "fp8-per-tensor") is None
+    assert "'compressed-tensors'" in checkpoint_layout_reason(eng, "compressed-tensors-channel")  # format first
+    assert checkpoint_layout_reason(ReferenceEngine(), "compressed-tensors-channel") is None  # no hook: loads
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        checkpoint_layout_reason(eng, "fp8-block")
