@@ -1,4 +1,4 @@
-"""``fp8rl checkpoint-matrix``: the writer × loader interop matrix of blockwise-FP8 checkpoints (docs/checkpoint.md).
+"""``fp8rl checkpoint-matrix``: the writer × loader interop matrix of FP8 checkpoints (docs/checkpoint.md).
 
     fp8rl checkpoint-matrix --writer reference --loader reference --loader hf-fp8 --out fp8rl-checkpoint-matrix
 
@@ -16,11 +16,16 @@ reason). Writes ``matrix.json``, ``matrix.md`` and a self-contained ``matrix.htm
 Formats: blockwise FP8 (``quant_method: fp8``, fp8rl.reference.checkpoint), per-tensor FP8 (``quant_method: fp8``
 with ``weight_block_size: null`` and one ``<m>.weight_scale`` per projection: writer ``reference-per-tensor``, the
 oracle writer's per-tensor layout) and compressed-tensors FP8 (``quant_method: compressed-tensors``, e.g. writer
-``compressed-tensors``; fp8rl.reference.checkpoint_ct); the file and cell judges read all three. A loader runs only on the formats its engine lists in
-``checkpoint_formats`` (default ``("fp8",)``); other cells are **not run**, with the reason.
+``compressed-tensors``, block strategy, and writer ``reference-channel``, the oracle writer's channel strategy with
+dynamic per-token activations, llm-compressor's FP8_DYNAMIC; fp8rl.reference.checkpoint_ct); the file and cell
+judges read all of them. A loader runs only on the formats its engine lists in ``checkpoint_formats`` (default
+``("fp8",)``) and the layouts it can load here (fp8rl.engine.checkpoint_layout_reason: vLLM on CPU loads the
+block layouts only with AMX); other cells are **not run**, with the reason. A channel-layout cell's log-probs are
+held to the e2e fp8-linear-ptpc budgets (its file prescribes per-token FP8 activations), the others' to bf16.
 
 Exit: 0 when every cell that ran is conformant or a known deviation (the loader's vendor xfails list
-``CKPT-LOAD-001[<format>:<model>]``, ``<format>`` the file's ``quant_method``, or ``per-tensor``; for a ``fp8`` file the plain
+``CKPT-LOAD-001[<format>:<model>]``, ``<format>`` the file's ``quant_method``, ``per-tensor`` or
+``compressed-tensors-channel``; for a ``fp8`` file the plain
 ``CKPT-LOAD-001[<model>]`` of the conformance check, whose checkpoints are blockwise, counts too) and every file is within bound or a known deviation (the writer's vendor xfails list
 ``WSYNC-BOUND-001[<model>]``, the same bound), 1 otherwise, 2 on a usage or engine-load error.
 """
@@ -40,16 +45,20 @@ MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
 #: the oracle writer in the per-tensor layout (weight_block_size null, one ``<m>.weight_scale`` per projection): a
 #: writer name of its own, so that the matrix has a row for it
 PER_TENSOR_WRITER = "reference-per-tensor"
+#: the oracle writer in the compressed-tensors channel layout (fp8rl.reference.checkpoint_ct.write_channel_checkpoint)
+CHANNEL_WRITER = "reference-channel"
+#: the pseudo-writers: the reference engine writing a layout of its own
+LAYOUT_WRITERS = {PER_TENSOR_WRITER: "fp8-per-tensor", CHANNEL_WRITER: "compressed-tensors-channel"}
 
 
 def register(subparsers: Any) -> None:
     """Add the ``checkpoint-matrix`` subcommand (called by fp8rl.cli for every module in EXTRA_COMMAND_MODULES)."""
     p = subparsers.add_parser("checkpoint-matrix", help="writer x loader interop matrix of FP8 checkpoints "
-                                                        "(blockwise and compressed-tensors; tiny-qwen3, "
-                                                        "tiny-qwen3-moe)")
+                                                        "(blockwise, per-tensor and compressed-tensors; "
+                                                        "tiny-qwen3, tiny-qwen3-moe)")
     p.add_argument("--writer", action="append", default=None,
-                   help=f"writer engine (repeatable; default: reference and {PER_TENSOR_WRITER}, the oracle writer's "
-                        "per-tensor layout)")
+                   help=f"writer engine (repeatable; default: reference, {PER_TENSOR_WRITER} and {CHANNEL_WRITER}, "
+                        "the oracle writer's per-tensor and compressed-tensors channel layouts)")
     p.add_argument("--loader", action="append", default=None,
                    help="loader engine (repeatable; default: reference and hf-fp8)")
     p.add_argument("--model", action="append", default=None, choices=MODELS, help="model (repeatable; default both)")
@@ -59,17 +68,23 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_checkpoint_matrix)
 
 
-def _write(engine: Any, root: Path, model: str, per_tensor: bool = False) -> Path:
+def _write(engine: Any, root: Path, model: str, layout: str | None = None) -> Path:
+    """The writer's checkpoint of ``model`` under ``root/model``; ``layout`` (a value of :data:`LAYOUT_WRITERS`):
+    the oracle writer's per-tensor or channel layout under the engine's block policy."""
     from fp8rl import capabilities as _caps  # noqa: F401  (the table the keys below come from)
     from fp8rl import fixtures
     from fp8rl.engine import capability_reason
     from fp8rl.reference import checkpoint as ck
+    from fp8rl.reference import checkpoint_ct as cct
 
     tm = fixtures.tiny_model(model)
     out = root / model
-    if per_tensor:
+    if layout == "fp8-per-tensor":
         return ck.write_checkpoint(out, tm.config, tm.state_dict,
                                    ck.CheckpointSpec(block=None, policy=engine.scale_policy("block")))
+    if layout == "compressed-tensors-channel":
+        return Path(cct.write_channel_checkpoint(out, tm.config, tm.state_dict,
+                                                 ck.CheckpointSpec(policy=engine.scale_policy("block"))))
     if capability_reason(engine, "checkpoint.write") is None:
         return Path(engine.checkpoint_write(out, tm.config, tm.state_dict))
     spec = ck.CheckpointSpec(policy=engine.scale_policy("block"))
@@ -110,7 +125,8 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
         if name in tensors and name + suffix not in tensors and h.dtype == tensors[name].dtype:
             want = tensors[name]
         else:
-            want = ck.round_exact(w, h.dtype if h.dtype in (torch.bfloat16, torch.float32) else torch.float32)
+            want = ck.round_exact(w, h.dtype if h.dtype in (torch.bfloat16, torch.float32, torch.float64)
+                                  else torch.float32)
         total += w.numel()
         if tuple(h.shape) != tuple(w.shape):
             n_tensors += 1
@@ -134,16 +150,18 @@ def judge_logprobs(engine: Any, path: Path, model: str) -> dict[str, Any]:
     """The loader's model vs the oracle's dequantized model of the file (CKPT-LOAD-005's statement): the e2e prompts
     and 20 tokens sampled from the oracle's model (fp8rl.conformance._e2e.checkpoint_oracle_scored, sampling seed
     1234), scored teacher-forced by both; conformant when k3 KL, token_mult_prob_error and max |dlogp| are within
-    the e2e area's bf16 budgets of the model."""
+    the e2e area's budgets of the model: bf16, fp8-linear-ptpc for the channel layout (per-token FP8 activations)."""
     from fp8rl.conformance import _e2e as E
     from fp8rl.reference.rollout import mismatch_metrics
 
     tokens, lp_oracle = E.checkpoint_oracle_scored(str(path))
     m = mismatch_metrics(engine.checkpoint_score(path, tokens, E.prompt_len()), lp_oracle)
-    over = E.budget_violations(m, model, "bf16")
+    recipe = "fp8-linear-ptpc" if _file_format(path) == "compressed-tensors-channel" else "bf16"
+    over = E.budget_violations(m, model, recipe)
     out: dict[str, Any] = {k: m[k] for k in (*E.METRICS, "mean_abs_dlogp")}
     if over:
-        return {**out, "status": "deviation", "detail": "log-probs vs the oracle's dequantized model: " + "; ".join(over)}
+        return {**out, "status": "deviation", "detail": f"log-probs vs the oracle's dequantized model ({recipe} "
+                f"budgets): " + "; ".join(over)}
     return {**out, "status": "conformant"}
 
 
@@ -190,21 +208,38 @@ def _quant_method(path: Path) -> str | None:
 
 
 def _file_format(path: Path) -> str | None:
-    """The cell's format: the file's ``quant_method``, ``per-tensor`` for an ``fp8`` file whose
-    ``weight_block_size`` is null (its findings are keyed ``CKPT-LOAD-001[per-tensor:<model>]``, as the
-    conformance check's per-tensor cases)."""
+    """The cell's format: the file's ``quant_method``; ``per-tensor`` for an ``fp8`` file whose
+    ``weight_block_size`` is null and ``compressed-tensors-channel`` for a compressed-tensors file of the channel
+    strategy (their findings are keyed ``CKPT-LOAD-001[<format>:<model>]``, as the conformance check's cases)."""
     fmt = _quant_method(path)
     qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
     if fmt == "fp8" and "weight_block_size" in qc and qc["weight_block_size"] is None:
         return "per-tensor"
+    if fmt == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        strategies = {(g.get("weights") or {}).get("strategy") for g in groups.values() if isinstance(g, dict)}
+        if strategies == {"channel"}:
+            return "compressed-tensors-channel"
     return fmt
 
 
-def _format_reason(engine: Any, path: Path) -> str | None:
-    """None if the loader reads the file's ``quant_method``, else why not (fp8rl.engine.checkpoint_format_reason)."""
-    from fp8rl.engine import checkpoint_format_reason
+def _layout(fmt: str | None) -> str | None:
+    """The fp8rl.engine.CHECKPOINT_LAYOUTS key of a cell format (None: a format no layout names)."""
+    from fp8rl.engine import CHECKPOINT_LAYOUTS
 
-    return checkpoint_format_reason(engine, _quant_method(path))
+    layout = "fp8-per-tensor" if fmt == "per-tensor" else fmt
+    return layout if layout in CHECKPOINT_LAYOUTS else None
+
+
+def _format_reason(engine: Any, path: Path) -> str | None:
+    """None if the loader reads the file's layout here, else why not (fp8rl.engine.checkpoint_layout_reason; for a
+    quant_method no layout names, fp8rl.engine.checkpoint_format_reason)."""
+    from fp8rl.engine import checkpoint_format_reason, checkpoint_layout_reason
+
+    layout = _layout(_file_format(path))
+    if layout is None:
+        return checkpoint_format_reason(engine, _quant_method(path))
+    return checkpoint_layout_reason(engine, layout)
 
 
 def known_keys(check: str, model: str, fmt: str | None = None) -> set[str]:
@@ -234,7 +269,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     from fp8rl.engine import capability_reason
     from fp8rl.registry import EngineLoadError, load_engine
 
-    writers = args.writer or ["reference", PER_TENSOR_WRITER]
+    writers = args.writer or ["reference", *LAYOUT_WRITERS]
     loaders = args.loader or ["reference", "hf-fp8"]
     models = args.model or list(MODELS)
     out = Path(args.out)
@@ -248,7 +283,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
     engines: dict[str, Any] = {}
     try:
         for name in dict.fromkeys(writers + loaders):
-            engines[name] = load_engine("reference" if name == PER_TENSOR_WRITER else name)
+            engines[name] = load_engine("reference" if name in LAYOUT_WRITERS else name)
     except EngineLoadError as exc:
         print(str(exc))
         return EXIT_USAGE
@@ -261,7 +296,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
                 written[(w, m)] = target if (target / "config.json").is_file() else f"writer not available: {reason}"
                 continue
             try:
-                written[(w, m)] = _write(engines[w], ckroot / w.replace(":", "_"), m, w == PER_TENSOR_WRITER)
+                written[(w, m)] = _write(engines[w], ckroot / w.replace(":", "_"), m, LAYOUT_WRITERS.get(w))
             except Exception as exc:  # noqa: BLE001 - a writer failure is a cell outcome
                 written[(w, m)] = f"writer raised {type(exc).__name__}: {str(exc)[:300]}"
     files: dict[tuple[str, str], dict[str, Any]] = {
