@@ -123,6 +123,10 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("vllm-triton-ue8m0", ("quantization",), timeout=INTERPRETER_TIMEOUT),
                       Conformance("compressed-tensors-mx", ("quantization",)),
                       Conformance("vllm-mx", ("quantization", "gemm"))),
+         # its checkpoint loading: one vllm.LLM start per checkpoint (25-60 s each); on a CPU without AMX only the
+         # compressed-tensors channel layout and the per-tensor finding run (the block layouts are skipped), with
+         # AMX all of them (docs/checkpoint.md)
+         nightly=(Conformance("vllm", ("checkpoint",), label="vllm-checkpoint"),),
          # test_perf_vllm.py (perf gate smoke on a measured run) reuses the vllm.LLM that test_vllm_engine.py starts
          pytest=((*_ENGINE_TEST, "tests/engines/vllm/test_vllm_engine.py", "tests/engines/vllm/test_perf_vllm.py"),
                  (*_ENGINE_TEST, "tests/engines/vllm/test_vllm_triton_engine.py"),
@@ -154,8 +158,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       Conformance("torchao", ("formats", "quantization", "checkpoint")),
                       Conformance("torchao-mx", ("quantization",))),
          commands=(("checkpoint-matrix", "--writer", "reference", "--writer", "reference-per-tensor", "--writer",
-                    "torchao", "--writer", "compressed-tensors", "--loader", "reference", "--loader", "hf-fp8", "--out",
-                    "fp8rl-checkpoint-matrix"),),
+                    "reference-channel", "--writer", "torchao", "--writer", "compressed-tensors", "--loader",
+                    "reference", "--loader", "hf-fp8", "--out", "fp8rl-checkpoint-matrix"),),
          pytest=((*_ENGINE_TEST, "tests/engines/checkpoint/test_checkpoint_hf_engine.py",
                   "tests/engines/checkpoint/test_torchao_engine.py", "tests/engines/checkpoint/test_torchao_mx_engine.py",
                   "tests/engines/checkpoint/test_compressed_tensors_engine.py"),),
@@ -324,9 +328,10 @@ def nightly(session: nox.Session) -> None:
     if vllm_py.exists():
         run_or_note("vllm perf gate", str(vllm_py), "-m", "fp8rl.perf.cpu_bench", "--out", "fp8rl-nightly/perf-vllm",
                     external=True)
-        # the vLLM tier's conformance runs (its rollouts, its ops, its Triton kernels, its MX code; ~14 min on 2
-        # cores), so that the dashboard tracks a real engine's pass / xfail counts and wall time next to the oracle's
-        for conf in TIERS["vllm"].conformance:
+        # the vLLM tier's conformance runs (its rollouts, its ops, its Triton kernels, its MX code: ~14 min on 2
+        # cores; then its checkpoint loading), so that the dashboard tracks a real engine's pass / xfail counts and
+        # wall time next to the oracle's
+        for conf in (*TIERS["vllm"].conformance, *TIERS["vllm"].nightly):
             run_or_note(f"{conf.label or conf.engine} conformance", str(vllm_py.parent / "fp8rl"),
                         *conf.args(ROOT / "fp8rl-nightly" / "vllm"), external=True)
     else:

@@ -54,20 +54,29 @@ class VllmLLMMixin:
                                  "checks its CPU quantizer)")
         caps["rollout.nvfp4-experts"] = (f"vllm {v} on CPU: its NVFP4 MoE methods are CUDA kernels (CUTLASS, "
                                          "FlashInfer, Marlin); the CPU build has no NVFP4 fused-MoE path")
-        amx = _amx_reason()
-        caps["checkpoint.load"] = True if amx is None else (
-            f"vllm {v} on CPU: LLM(model=<weight_block_size FP8 checkpoint>) does not start without AMX "
-            f"(measured: 'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)'), and a "
-            "per-tensor FP8 checkpoint does not start on any CPU (its requantize step calls "
-            f"_C::static_scaled_fp8_quant, a stub in the CPU build): {amx} (docs/checkpoint.md)")
-        caps["checkpoint.score"] = True if amx is None else (
-            f"vllm {v} on CPU: a model with FP8 weights from a checkpoint does not start: {amx}")
+        # every CPU loads the compressed-tensors channel layout (ChannelWiseTorchFP8ScaledMMLinearKernel); the
+        # block layouts need AMX tiles: checkpoint_layout_reason says which layout can't load here
+        caps["checkpoint.load"] = True
+        caps["checkpoint.score"] = True
         caps["checkpoint.write"] = f"vllm {v} loads FP8 checkpoints; it has no checkpoint writer"
         caps["checkpoint.attention_scales"] = True
         return caps
 
     #: the ``quant_method`` of the checkpoints :meth:`checkpoint_load` reads (vLLM loads both formats)
     checkpoint_formats = ("fp8", "compressed-tensors")
+
+    def checkpoint_layout_reason(self, layout: str) -> str | None:
+        """Why a checkpoint layout (fp8rl.engine.CHECKPOINT_LAYOUTS) can't load on this machine, or None. The block
+        layouts (blockwise FP8, compressed-tensors block strategy) run only through ``CPUFp8BlockScaledMMKernel``,
+        which requires AMX tiles; the channel layout runs through ``ChannelWiseTorchFP8ScaledMMLinearKernel`` on any
+        CPU; a per-tensor file loads nowhere on CPU (``requantize_with_max_scale`` calls the
+        ``_C::static_scaled_fp8_quant`` stub), which is a finding (vllm.xfails), not a skip."""
+        amx = _amx_reason()
+        if amx is None or layout not in ("fp8", "compressed-tensors"):
+            return None
+        return (f"vllm {_vllm_version()} on CPU: LLM(model=<block-FP8 checkpoint>) does not start without AMX (measured: "
+                f"'CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)'): {amx} "
+                "(docs/checkpoint.md)")
 
     def checkpoint_load(self, path: Any) -> dict[str, Any]:
         """The weights the layers of ``vllm.LLM(model=path)`` compute with, under the checkpoint's names. After
@@ -510,6 +519,8 @@ def _amx_reason() -> str | None:
 
 #: the LLM that checkpoint_load / checkpoint_score last started: [llm, path, mtime of config.json]
 _CKPT_LLM: list = [None, None, None]
+#: checkpoint key -> the error its vllm.LLM start raised (a start that fails costs as much as one that works)
+_CKPT_FAILED: dict[tuple[str, int], str] = {}
 
 
 def _checkpoint_llm(path: Any) -> Any:
@@ -523,22 +534,49 @@ def _checkpoint_llm(path: Any) -> Any:
     key = (str(Path(path).resolve()), os.stat(Path(path) / "config.json").st_mtime_ns)
     if _CKPT_LLM[0] is not None and (_CKPT_LLM[1], _CKPT_LLM[2]) == key:
         return _CKPT_LLM[0]
+    if key in _CKPT_FAILED:  # a checkpoint whose engine did not start: the same error, without another 40 s start
+        raise RuntimeError(f"{_CKPT_FAILED[key]} (the same checkpoint failed to start vllm.LLM before)")
     if _CKPT_LLM[0] is not None:
         _stop_llm([_CKPT_LLM[0], None, ""])
         _CKPT_LLM[:] = [None, None, None]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-              skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=8,
-              kv_cache_memory_bytes=kv_cache_bytes())
+    try:
+        llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                  skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=8,
+                  kv_cache_memory_bytes=kv_cache_bytes())
+    except Exception as exc:
+        _CKPT_FAILED[key] = f"{type(exc).__name__}: {exc}"
+        raise
     _CKPT_LLM[:] = [llm, *key]
     return llm
 
 
+def _channel_weight(mod: Any, n: int) -> Any:
+    """A layer's FP8 weight with one scale per output row, as the channel-wise kernel keeps it
+    (``process_fp8_weight_channel_strategy``: codes as stored, transposed to (K, N), ``weight_scale`` (N, 1) fp32,
+    ``ChannelWiseTorchFP8ScaledMMLinearKernel`` multiplies the GEMM's output by them): codes × scale in fp64, exact
+    (4 + 24 significant bits), (N, K). None for any other layer. Such a layer is not read through a forward: its
+    GEMM quantizes the identity's rows per token with the scale fl32(1/448), whose 448 · s ≠ 1 pushes every
+    product that is exactly half-way between two BF16 values to one side (measured: about 1 % of tiny-qwen3's
+    values, all such ties), an artifact of the read-back, not of the weights."""
+    import torch
+
+    w, s = getattr(mod, "weight", None), getattr(mod, "weight_scale", None)
+    if not (isinstance(w, torch.Tensor) and isinstance(s, torch.Tensor) and w.dtype == torch.float8_e4m3fn
+            and w.dim() == 2 and s.numel() == n and tuple(s.shape) in ((n, 1), (n,))):
+        return None
+    codes = w.t() if getattr(w, "output_dim", 0) == 1 else w
+    if codes.shape[0] != n:
+        return None
+    return codes.double() * s.double().reshape(n, 1)
+
+
 def _computed_weights(worker) -> dict | str:
     """(in the worker) checkpoint name → the weight each linear layer computes with (``quant_method.apply`` on the
-    identity, transposed, split by ``logical_widths``), every other parameter as held; a message instead when the
-    model has fused-MoE experts (no read-back)."""
+    identity, transposed, split by ``logical_widths``; a channel-wise FP8 layer's codes × scales, exact in fp64:
+    :func:`_channel_weight`), every other parameter as held; a message instead when the model has fused-MoE
+    experts (no read-back)."""
     import torch
 
     model = worker.model_runner.get_model()
@@ -554,9 +592,11 @@ def _computed_weights(worker) -> dict | str:
         qm = getattr(mod, "quant_method", None)
         if widths is None or qm is None or not hasattr(mod, "input_size_per_partition"):
             continue
-        eye = torch.eye(int(mod.input_size_per_partition), dtype=torch.bfloat16)
-        with torch.no_grad():
-            w = qm.apply(mod, eye).t().contiguous()
+        w = _channel_weight(mod, sum(int(n) for n in widths))
+        if w is None:
+            eye = torch.eye(int(mod.input_size_per_partition), dtype=torch.bfloat16)
+            with torch.no_grad():
+                w = qm.apply(mod, eye).t().contiguous()
         prefix, _, short = name.rpartition(".")
         parts = mapping.get(short, [short]) if len(widths) > 1 else [short]
         if len(parts) != len(widths):

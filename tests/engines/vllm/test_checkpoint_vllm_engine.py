@@ -31,17 +31,23 @@ def test_xfails_name_the_kv_findings():
 
 
 @needs_vllm
-def test_checkpoint_load_follows_amx():
-    """vLLM on CPU loads block-FP8 checkpoints only with AMX tiles (its CPUFp8BlockScaledMMKernel): the capability
-    is there on such a machine, and says why not elsewhere."""
+def test_checkpoint_layouts_follow_amx():
+    """vLLM on CPU loads block-FP8 checkpoints (blockwise and compressed-tensors block strategy) only with AMX tiles
+    (its CPUFp8BlockScaledMMKernel), the compressed-tensors channel layout on any CPU: the loader capabilities are
+    declared everywhere, and the layout reason says which layout can't load here and why."""
     import torch
+    from fp8rl.engine import checkpoint_layout_reason
 
-    reason = capability_reason(V.VllmEngine(), "checkpoint.load")
-    score = capability_reason(V.VllmEngine(), "checkpoint.score")
-    if torch.cpu._is_amx_tile_supported():
-        assert reason is None and score is None
-    else:
-        assert reason is not None and "AMX" in reason and score is not None
+    eng = V.VllmEngine()
+    assert capability_reason(eng, "checkpoint.load") is None and capability_reason(eng, "checkpoint.score") is None
+    assert checkpoint_layout_reason(eng, "compressed-tensors-channel") is None
+    assert checkpoint_layout_reason(eng, "fp8-per-tensor") is None  # loads nowhere on CPU: a finding, not a skip
+    for layout in ("fp8", "compressed-tensors"):
+        reason = checkpoint_layout_reason(eng, layout)
+        if torch.cpu._is_amx_tile_supported():
+            assert reason is None, layout
+        else:
+            assert reason is not None and "AMX" in reason, layout
 
 
 _DECODE = """
@@ -110,9 +116,54 @@ def test_finding_static_fp8_quant_is_a_cpu_stub():
     assert last.startswith("RAISED") and "static_scaled_fp8_quant() expected at most 0 argument(s)" in last, last
 
 
+@needs_vllm
+def test_channel_checkpoint_loads_exactly_on_any_cpu(tmp_path):
+    """CKPT-LOAD-001[compressed-tensors-channel:tiny-qwen3] at the engine: the oracle's FP8_DYNAMIC checkpoint
+    starts on this CPU (AMX or not) and every projection, q/k/v and gate/up split back out of the fused layers,
+    holds codes x its rows' scales exactly (fp64), the BF16 tensors as stored."""
+    import torch
+    from fp8rl import fixtures
+    from fp8rl.reference import checkpoint_ct as cct
+
+    tm = fixtures.tiny_model("tiny-qwen3")
+    path = cct.write_channel_checkpoint(tmp_path / "ckpt", tm.config, tm.state_dict)
+    held = V.VllmEngine().checkpoint_load(path)
+    want = cct.dequantize_checkpoint(*ck.read_checkpoint(path), dtype=torch.float64)
+    fp8 = [n for n, t in ck.read_checkpoint(path)[1].items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 14
+    for name in fp8:
+        assert held[name].dtype == torch.float64 and torch.equal(held[name], want[name]), name
+    assert torch.equal(held["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+
+
+_MOE_SCHEMES = """
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
+from vllm.model_executor.layers.quantization.utils import quant_utils as q
+print(CPUExpertsFp8._supports_quant_scheme(q.kFp8StaticChannelSym, q.kFp8DynamicTokenSym),
+      CPUExpertsFp8._supports_quant_scheme(q.kFp8Static128BlockSym, q.kFp8Dynamic128Sym))
+"""
+
+
+@needs_vllm
+@PIN
+def test_finding_cpu_fp8_moe_experts_take_only_block_weights():
+    """CKPT-LOAD-001/005[compressed-tensors-channel:tiny-qwen3-moe] (vllm.xfails) at the kernel selection: the CPU
+    FP8 expert kernel accepts 128x128-block weights with 1x128 dynamic activations and not per-channel weights
+    with per-token activations, so a channel-strategy MoE checkpoint finds no FP8 MoE backend ("Unsupported FP8
+    MoE backend: NONE") on any CPU."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _MOE_SCHEMES], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "False True"
+
+
 def test_xfails_name_the_per_tensor_finding():
     ids = {entry[0] for entry in parse_id_file(XFAILS)}
     assert {f"CKPT-LOAD-00{n}[per-tensor:{m}]" for n in (1, 5) for m in ("tiny-qwen3", "tiny-qwen3-moe")} <= ids
+    assert {f"CKPT-LOAD-00{n}[compressed-tensors-channel:tiny-qwen3-moe]" for n in (1, 5)} <= ids
+    assert not any(i.startswith("CKPT-LOAD-00") and "channel:tiny-qwen3]" in i for i in ids)  # the dense one passes
 
 
 @needs_vllm
