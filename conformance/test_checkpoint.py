@@ -450,15 +450,39 @@ def _bad_checkpoint(defect: str) -> Path:
 
 
 BAD_DEFECTS = ("scale-wrong-shape", "scale-missing", "scale-nan", "scale-inf", "block-size-contradicts")
+#: the same defects in the compressed-tensors channel layout (tiny-qwen3, a dense model every loader of that layout
+#: starts): an (N, 1) weight_scale with half the rows, a NaN row scale
+CHANNEL_DEFECTS = ("channel-scale-wrong-shape", "channel-scale-nan")
 
 
-@pytest.mark.parametrize("defect", BAD_DEFECTS)
+def _bad_channel_checkpoint(defect: str) -> Path:
+    import tempfile
+
+    src = _oracle_checkpoint("tiny-qwen3", fmt="compressed-tensors-channel")
+    config, tensors = ck.read_checkpoint(src)
+    tensors = dict(tensors)
+    sname = _VICTIM + cct.SCALE_SUFFIX
+    s = tensors[sname].clone()
+    if defect == "channel-scale-wrong-shape":
+        tensors[sname] = s[: s.shape[0] // 2].contiguous()
+    elif defect == "channel-scale-nan":
+        s[0, 0] = math.nan
+        tensors[sname] = s
+    else:
+        raise ValueError(f"defect: unknown defect {defect!r}")
+    out = Path(tempfile.mkdtemp(prefix=f"bad-{defect}-", dir=_scratch()))
+    return ck.write_tensors(out, config, tensors, config["quantization_config"])
+
+
+@pytest.mark.parametrize("defect", BAD_DEFECTS + CHANNEL_DEFECTS)
 @check("CKPT-BAD-001", "A loader given a malformed blockwise-FP8 checkpoint (a scale of the wrong shape, a missing "
        "scale, a NaN or inf scale, a weight_block_size that contradicts the scale shapes) raises an error instead "
-       "of holding weights.", requires=["checkpoint.load"])
+       "of holding weights; the same for a compressed-tensors channel checkpoint with a row-scale vector of the "
+       "wrong length or a NaN row scale (loaders of that layout).", requires=["checkpoint.load"])
 def test_checkpoint_loader_rejects_bad_exact(engine, defect):
-    _loads_format(engine, "fp8")
-    path = _bad_checkpoint(defect)
+    channel = defect in CHANNEL_DEFECTS
+    _loads_format(engine, "compressed-tensors-channel" if channel else "fp8")
+    path = _bad_channel_checkpoint(defect) if channel else _bad_checkpoint(defect)
     try:
         held = engine.checkpoint_load(path)
     except EngineError:

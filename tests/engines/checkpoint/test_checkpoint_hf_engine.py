@@ -319,3 +319,27 @@ def test_loaded_moe_scores_like_the_oracle_exact():
     lp = HfFp8Engine().checkpoint_score(path, tokens, E.prompt_len())
     assert lp.dtype == torch.float32 and lp.shape == lp_oracle.shape
     assert torch.equal(lp, lp_oracle), float((lp - lp_oracle).abs().max())
+
+
+@PIN
+@needs_ct_loader
+def test_channel_checkpoint_exact_and_nan_row_scale_finding():
+    """The oracle's compressed-tensors channel (FP8_DYNAMIC) file of tiny-qwen3 loads exactly (every projection
+    codes x its rows' scales rounded once to BF16); with a NaN in row 0 of q_proj's weight_scale it still loads,
+    that row NaN (hf-fp8.xfails CKPT-BAD-001[channel-scale-nan]), while a row-scale vector of half the length
+    raises."""
+    from fp8rl.conformance import test_checkpoint as tc
+    from fp8rl.engine import EngineError
+    from fp8rl.reference import checkpoint_ct as cct
+
+    path = tc._oracle_checkpoint("tiny-qwen3", fmt="compressed-tensors-channel")
+    held = HfFp8Engine().checkpoint_load(path)
+    want = cct.dequantize_checkpoint(*ck.read_checkpoint(path))
+    for name, w in want.items():
+        assert torch.equal(held[name].view(torch.int16), w.view(torch.int16)) if w.dtype == torch.bfloat16 \
+            else torch.equal(held[name], w), name
+    bad = HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-nan"))
+    q = bad[tc._VICTIM].float()
+    assert int(torch.isnan(q).sum()) == q.shape[1] and bool(torch.isnan(q[0]).all())
+    with pytest.raises((RuntimeError, ValueError, EngineError)):
+        HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-wrong-shape"))

@@ -163,6 +163,7 @@ def test_xfails_name_the_per_tensor_finding():
     ids = {entry[0] for entry in parse_id_file(XFAILS)}
     assert {f"CKPT-LOAD-00{n}[per-tensor:{m}]" for n in (1, 5) for m in ("tiny-qwen3", "tiny-qwen3-moe")} <= ids
     assert {f"CKPT-LOAD-00{n}[compressed-tensors-channel:tiny-qwen3-moe]" for n in (1, 5)} <= ids
+    assert "CKPT-BAD-001[channel-scale-nan]" in ids and "CKPT-BAD-001[channel-scale-wrong-shape]" not in ids
     assert not any(i.startswith("CKPT-LOAD-00") and "channel:tiny-qwen3]" in i for i in ids)  # the dense one passes
 
 
