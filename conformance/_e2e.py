@@ -197,6 +197,15 @@ def within_budget(res: CaseResult) -> list[str]:
     return budget_violations(res.metrics, res.model, res.recipe)
 
 
+def checkpoint_recipe(layout: str | None) -> str:
+    """The e2e recipe whose budgets a model loaded from a checkpoint of ``layout`` (fp8rl.engine.CHECKPOINT_LAYOUTS)
+    is held to (CKPT-LOAD-005, ``fp8rl checkpoint-matrix``): ``fp8-linear-ptpc`` for the compressed-tensors channel
+    layout, whose config prescribes dynamic per-token FP8 activations (a correct loader runs W8A8 with per-channel
+    weight scales: that recipe's numerics), ``bf16`` otherwise (the other layouts' dynamic activation scheme is also
+    FP8, but their budgets were measured for W8A16 loaders; docs/checkpoint.md)."""
+    return "fp8-linear-ptpc" if layout == "compressed-tensors-channel" else "bf16"
+
+
 @functools.lru_cache(maxsize=8)
 def checkpoint_oracle_scored(path: str, sampling_seed: int = SAMPLE_SEED) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log-probs) of the oracle's dequantized model of a checkpoint directory

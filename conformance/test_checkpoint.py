@@ -299,14 +299,6 @@ def _loads_format(engine, fmt: str) -> None:
         pytest.skip(reason)
 
 
-def _recipe(fmt: str) -> str:
-    """The e2e recipe whose budgets a loaded model of layout ``fmt`` is held to: ``fp8-linear-ptpc`` for the
-    channel layout, whose config prescribes dynamic per-token FP8 activations (a correct loader runs W8A8 with
-    per-channel weight scales: that recipe's numerics), ``bf16`` otherwise (the other layouts' dynamic activation
-    scheme is also FP8, but their budgets were measured for W8A16 loaders; docs/checkpoint.md)."""
-    return "fp8-linear-ptpc" if fmt == "compressed-tensors-channel" else "bf16"
-
-
 def _compare_loaded(held: dict, path: Path, context: str) -> None:
     """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype."""
     if not isinstance(held, dict):
@@ -316,7 +308,7 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
         want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
     except ck.CheckpointError as exc:
         raise AssertionError(f"{context}: not a valid FP8 checkpoint: {exc}") from exc
-    suffix = cct.SCALE_SUFFIX if cct.is_compressed_tensors(config) else ck.scale_suffix(config)
+    suffix = cct.scale_suffix_any(config)
     missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
     assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
         f"{missing[:6]}, unexpected {extra[:6]}"
@@ -382,7 +374,7 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
     tokens, lp_oracle = E.checkpoint_oracle_scored(str(path), E.sampling_seed(run_seed))
     lp = engine.checkpoint_score(path, tokens, E.prompt_len())
     m = mismatch_metrics(lp, lp_oracle)
-    recipe = _recipe(fmt)
+    recipe = E.checkpoint_recipe(fmt)
     record_metrics(**{k: m[k] for k in E.METRICS},
                    err_over_bound=max(m[k] / E.budget(k, model, recipe) for k in ("k3_kl", "max_abs_dlogp")))
     over = E.budget_violations(m, model, recipe)

@@ -220,7 +220,7 @@ def fp8_pairs(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         raise CheckpointError("config.quantization_config: expected a dict with quant_method 'fp8', got "
                               f"{qc!r}")
     block = _block(qc)
-    suffix = ws.SCALE_SUFFIX if block is not None else PER_TENSOR_SCALE_SUFFIX
+    suffix = _scale_suffix_of(block)
     fmt = qc.get("fmt", "e4m3")
     want_fmt = {v: k for k, v in CONFIG_FMT.items()}.get(fmt)
     if want_fmt is None:
@@ -312,7 +312,7 @@ def dequantize_checkpoint(path: str | Path | None = None, *, config: Mapping[str
         raise ValueError("dequantize_checkpoint: expected path, or config and tensors")
     pairs = fp8_pairs(config, tensors)
     block = _block(config["quantization_config"])
-    suffix = ws.SCALE_SUFFIX if block is not None else PER_TENSOR_SCALE_SUFFIX
+    suffix = _scale_suffix_of(block)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(suffix) and name[: -len(suffix)] in pairs:
@@ -321,9 +321,13 @@ def dequantize_checkpoint(path: str | Path | None = None, *, config: Mapping[str
     return out
 
 
+def _scale_suffix_of(block: tuple[int, int] | None) -> str:
+    return ws.SCALE_SUFFIX if block is not None else PER_TENSOR_SCALE_SUFFIX
+
+
 def scale_suffix(config: Mapping[str, Any]) -> str:
     """The scale-name suffix of an FP8 checkpoint's config: ``_scale_inv`` (blockwise) or ``_scale`` (per-tensor)."""
-    return ws.SCALE_SUFFIX if _block(config["quantization_config"]) is not None else PER_TENSOR_SCALE_SUFFIX
+    return _scale_suffix_of(_block(config["quantization_config"]))
 
 
 # ----------------------------------------------------------------------------------------------------------------

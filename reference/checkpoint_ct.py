@@ -54,7 +54,8 @@ from fp8rl.reference import checkpoint as ck
 
 __all__ = ["QUANT_METHOD", "STRATEGIES", "CTWeightScheme", "dequantize_any", "dequantize_checkpoint",
            "dequantize_exact", "expand_scale", "fp8_weights", "fp8_weights_any", "is_compressed_tensors",
-           "from_blockwise", "is_ignored", "quantization_config", "scale_shape", "to_blockwise", "weight_scheme",
+           "from_blockwise", "is_ignored", "quantization_config", "scale_shape", "scale_suffix_any", "to_blockwise",
+           "weight_scheme",
            "channel_tensors", "channel_quantization_config", "write_channel_checkpoint"]
 
 QUANT_METHOD = "compressed-tensors"
@@ -259,6 +260,12 @@ def fp8_weights_any(config: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
     return {n: (c, expand_scale(s, CTWeightScheme("block", block=tuple(block or c.shape)),  # type: ignore[arg-type]
                                 tuple(c.shape)))
             for n, (c, s) in pairs.items()}
+
+
+def scale_suffix_any(config: Mapping[str, Any]) -> str:
+    """The scale-name suffix of a checkpoint of either format: ``_scale`` (compressed-tensors), else
+    :func:`fp8rl.reference.checkpoint.scale_suffix` (``_scale_inv`` blockwise, ``_scale`` per-tensor)."""
+    return SCALE_SUFFIX if is_compressed_tensors(config) else ck.scale_suffix(config)
 
 
 def dequantize_any(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],

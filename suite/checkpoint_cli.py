@@ -111,7 +111,7 @@ def judge(held: Any, path: Path) -> dict[str, Any]:
     config, tensors = ck.read_checkpoint(path)
     try:
         want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
-        suffix = cct.SCALE_SUFFIX if cct.is_compressed_tensors(config) else ck.scale_suffix(config)
+        suffix = cct.scale_suffix_any(config)
     except ck.CheckpointError as exc:
         what = "compressed-tensors FP8" if cct.is_compressed_tensors(config) else "FP8"
         return {"status": "deviation", "detail": f"the file is not a valid {what} checkpoint: {exc}"}
@@ -156,7 +156,7 @@ def judge_logprobs(engine: Any, path: Path, model: str) -> dict[str, Any]:
 
     tokens, lp_oracle = E.checkpoint_oracle_scored(str(path))
     m = mismatch_metrics(engine.checkpoint_score(path, tokens, E.prompt_len()), lp_oracle)
-    recipe = "fp8-linear-ptpc" if _file_format(path) == "compressed-tensors-channel" else "bf16"
+    recipe = E.checkpoint_recipe(_file_format(path))
     over = E.budget_violations(m, model, recipe)
     out: dict[str, Any] = {k: m[k] for k in (*E.METRICS, "mean_abs_dlogp")}
     if over:
@@ -201,18 +201,14 @@ def judge_file(path: Path, model: str) -> dict[str, Any]:
     return {"status": "conformant", "err_over_bound": worst}
 
 
-def _quant_method(path: Path) -> str | None:
-    """The file's format: ``quantization_config.quant_method`` of its config.json (None if absent)."""
-    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
-    return qc.get("quant_method") if isinstance(qc, dict) else None
-
-
 def _file_format(path: Path) -> str | None:
     """The cell's format: the file's ``quant_method``; ``per-tensor`` for an ``fp8`` file whose
     ``weight_block_size`` is null and ``compressed-tensors-channel`` for a compressed-tensors file of the channel
     strategy (their findings are keyed ``CKPT-LOAD-001[<format>:<model>]``, as the conformance check's cases)."""
-    fmt = _quant_method(path)
     qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        return None
+    fmt = qc.get("quant_method")
     if fmt == "fp8" and "weight_block_size" in qc and qc["weight_block_size"] is None:
         return "per-tensor"
     if fmt == "compressed-tensors":
@@ -231,14 +227,15 @@ def _layout(fmt: str | None) -> str | None:
     return layout if layout in CHECKPOINT_LAYOUTS else None
 
 
-def _format_reason(engine: Any, path: Path) -> str | None:
-    """None if the loader reads the file's layout here, else why not (fp8rl.engine.checkpoint_layout_reason; for a
-    quant_method no layout names, fp8rl.engine.checkpoint_format_reason)."""
+def _format_reason(engine: Any, fmt: str | None) -> str | None:
+    """None if the loader reads a file of cell format ``fmt`` (:func:`_file_format`) here, else why not
+    (fp8rl.engine.checkpoint_layout_reason; for a format no layout names, which is then the file's quant_method,
+    fp8rl.engine.checkpoint_format_reason)."""
     from fp8rl.engine import checkpoint_format_reason, checkpoint_layout_reason
 
-    layout = _layout(_file_format(path))
+    layout = _layout(fmt)
     if layout is None:
-        return checkpoint_format_reason(engine, _quant_method(path))
+        return checkpoint_format_reason(engine, fmt)
     return checkpoint_layout_reason(engine, layout)
 
 
@@ -313,7 +310,7 @@ def cmd_checkpoint_matrix(args: argparse.Namespace) -> int:
                 fmt = None if isinstance(src, str) else _file_format(src)
                 cell["format"] = fmt
                 lr = capability_reason(engines[ld], "checkpoint.load")
-                fr = None if isinstance(src, str) else _format_reason(engines[ld], src)
+                fr = None if isinstance(src, str) else _format_reason(engines[ld], fmt)
                 if isinstance(src, str):
                     cell.update(status="not run", detail=src)
                 elif fr is not None and (lr is None or hasattr(engines[ld], "checkpoint_formats")):
