@@ -75,6 +75,10 @@ def _class_weight(cls: str) -> torch.Tensor:
 WRITER_CLASSES = ("ragged", "narrow", "zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_amax", "outliers")
 
 
+#: the config.json the input-class checkpoints are written with
+_CLASS_CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+
+
 def _class_state_dict(cls: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     w = _class_weight(cls).to(dtype)  # fp32: not BF16-representable, the writer must cast to BF16 first
     return {"model.layers.0.self_attn.q_proj.weight": w,
@@ -97,18 +101,31 @@ def _read_blockwise(path: Path, context: str) -> tuple[dict, dict[str, torch.Ten
 def _compare_written(path: Path, sd: dict[str, torch.Tensor], policy: ScalePolicy, context: str) -> int:
     """Codes and scales of the file vs the oracle's quantization of sd's BF16 cast (bit for bit); names, dtypes
     and the BF16 tensors kept as they are. Returns the number of quantized weights compared."""
-    config, got = _read_blockwise(path, context)
-    want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=policy))
+    _, got = _read_blockwise(path, context)
+    return _compare_to_oracle(got, ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy=policy)), sd, policy,
+                              context, ws.SCALE_SUFFIX)
+
+
+def _compare_to_oracle(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], sd: dict[str, torch.Tensor],
+                       policy: ScalePolicy, context: str, scale_suffix: str,
+                       scale_dtypes: tuple[torch.dtype, ...] | None = None) -> int:
+    """A written file's tensors vs the oracle's: the same names; FP8 codes bit for bit (dtype and shape equal);
+    ``<m>.weight<scale_suffix>`` scale values exactly, of the oracle's shape and dtype (or any of ``scale_dtypes``);
+    every other tensor byte-identical. Returns the number of FP8 weights compared."""
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     assert not missing and not extra, f"{context}: tensor names differ from the oracle's: missing {missing[:6]}, " \
         f"unexpected {extra[:6]}"
     n = 0
     for name, w in want.items():
         g = got[name]
-        if g.dtype != w.dtype or g.shape != w.shape:
-            raise AssertionError(f"{context}: {name}: {g.dtype} {tuple(g.shape)}, expected {w.dtype} {tuple(w.shape)}")
-        if name.endswith(ws.SCALE_SUFFIX):
-            assert_tensors_equal(g, w, context=f"{context}: {name} ({policy.name})")
+        is_scale = name.endswith(".weight" + scale_suffix)
+        dtype_ok = g.dtype in scale_dtypes if is_scale and scale_dtypes else g.dtype == w.dtype
+        if not dtype_ok or tuple(g.shape) != tuple(w.shape):
+            raise AssertionError(f"{context}: {name}: {g.dtype} {tuple(g.shape)}, expected "
+                                 f"{' / '.join(map(str, scale_dtypes)) if is_scale and scale_dtypes else w.dtype} "
+                                 f"{tuple(w.shape)}")
+        if is_scale:
+            assert_tensors_equal(g, w, context=f"{context}: {name} ({policy.name}, held as {g.dtype})")
         elif w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             n += 1
             assert_codes_equal(g.contiguous().view(torch.uint8), w.view(torch.uint8), policy.fmt,
@@ -144,8 +161,7 @@ def test_checkpoint_writer_model_exact(engine, model, precision, tmp_path):
        "huge (1e37) amax, outliers, in BF16 and fp32.", requires=["checkpoint.write"])
 def test_checkpoint_writer_classes_exact(engine, cls, precision, tmp_path):
     sd = _class_state_dict(cls, torch.float32 if precision == "fp32" else torch.bfloat16)
-    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-    path = Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd))
+    path = Path(engine.checkpoint_write(tmp_path / "ckpt", _CLASS_CONFIG, sd))
     _compare_written(path, sd, engine.scale_policy("block"), f"class {cls} ({precision})")
 
 
@@ -161,26 +177,36 @@ FINITE_CLASSES = ("zero_rows", "zero_cols", "zero_blocks", "tiny_amax", "huge_am
        requires=["checkpoint.write"])
 def test_checkpoint_writer_finite_exact(engine, cls, tmp_path):
     sd = _class_state_dict(cls, torch.bfloat16)
-    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-    config, tensors = _read_blockwise(Path(engine.checkpoint_write(tmp_path / "ckpt", config, sd)), f"class {cls}")
-    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
-    bad, checked = [], 0
-    for name, scale in sorted(tensors.items()):
-        if not name.endswith(ws.SCALE_SUFFIX):
-            continue
-        w = tensors[name[: -len(ws.SCALE_SUFFIX)]]
-        s = scale.double()
-        if not (torch.isfinite(s) & (s > 0)).all():
-            bad.append(f"{name}: {int((~(torch.isfinite(s) & (s > 0))).sum())} of {s.numel()} block scales are "
-                       f"not finite and > 0 (e.g. {s[~(torch.isfinite(s) & (s > 0))].flatten()[0].item()!r})")
-        if w.dtype in fmts:
-            vals = decode_codes(w.contiguous().view(torch.uint8), fmts[w.dtype])
-            nonfinite = int((~np.isfinite(vals)).sum())
-            if nonfinite:
-                bad.append(f"{name}: {nonfinite} of {vals.size} FP8 codes are NaN or inf")
-            checked += 1
+    config, tensors = _read_blockwise(Path(engine.checkpoint_write(tmp_path / "ckpt", _CLASS_CONFIG, sd)),
+                                      f"class {cls}")
+    bad, checked = _unusable_scales_or_codes(tensors, ws.SCALE_SUFFIX, "block")
     assert checked, f"class {cls}: the file holds no FP8 weight with a block scale"
     assert not bad, f"class {cls} (BF16 weights, all finite): " + "; ".join(bad)
+
+
+def _unusable_scales_or_codes(tensors: dict[str, torch.Tensor], suffix: str, what: str) -> tuple[list[str], int]:
+    """(problems, FP8 weights checked) of a written file: an FP8 weight without its ``<name><suffix>`` scale, a
+    scale with an entry that is not finite and > 0 (``what``: "block" or "row"), an FP8 code that is NaN or inf."""
+    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+    bad, checked = [], 0
+    for name, w in sorted(tensors.items()):
+        if w.dtype not in fmts:
+            continue
+        checked += 1
+        scale = tensors.get(name + suffix)
+        if scale is None:
+            bad.append(f"{name}: no {name + suffix}")
+        else:
+            s = scale.double()
+            ok = torch.isfinite(s) & (s > 0)
+            if not ok.all():
+                bad.append(f"{name}: {int((~ok).sum())} of {s.numel()} {what} scales are not finite and > 0 "
+                           f"(e.g. {s[~ok].flatten()[0].item()!r})")
+        vals = decode_codes(w.contiguous().view(torch.uint8), fmts[w.dtype])
+        nonfinite = int((~np.isfinite(vals)).sum())
+        if nonfinite:
+            bad.append(f"{name}: {nonfinite} of {vals.size} FP8 codes are NaN or inf")
+    return bad, checked
 
 
 @MODELS
@@ -241,6 +267,156 @@ def _check_ct_config(config: dict, ignore: list[str], model: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# channel-strategy writers (compressed-tensors FP8_DYNAMIC: one scale per output row, dynamic per-token activations)
+
+_CT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _read_channel(path: Path, context: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a compressed-tensors channel-strategy file, validated by the oracle's reader."""
+    config, tensors = ck.read_checkpoint(path)
+    try:
+        scheme, _ = cct.weight_scheme(config)
+        cct.fp8_weights(config, tensors)
+    except ck.CheckpointError as exc:
+        raise AssertionError(f"{context}: not a valid compressed-tensors FP8 checkpoint: {exc}") from exc
+    if scheme.strategy != "channel":
+        raise AssertionError(f"{context}: weights strategy {scheme.strategy!r}, expected 'channel'")
+    return config, tensors
+
+
+def _compare_written_channel(path: Path, sd: dict[str, torch.Tensor], policy: ScalePolicy, context: str) -> int:
+    """Codes and (N, 1) row scales of a channel-strategy file vs the oracle's per-channel quantization of sd's BF16
+    cast (cct.channel_tensors: codes bit for bit, scale values exactly, in any dtype compressed-tensors allows);
+    names and the BF16 tensors kept as they are. Returns the number of quantized weights compared."""
+    _, got = _read_channel(path, context)
+    return _compare_to_oracle(got, cct.channel_tensors(sd, ck.CheckpointSpec(policy=policy)), sd, policy, context,
+                              cct.SCALE_SUFFIX, _CT_SCALE_DTYPES)
+
+
+#: CKPT-WRITE-004's cases: the tiny models in BF16 and as fp32 masters, then the writer input classes
+CHANNEL_WRITE_CASES = [pytest.param("model", m, p, id=f"{m}-{p}") for m in CKPT_MODELS for p in ("bf16", "fp32")] + \
+    [pytest.param("class", c, p, id=f"{c}-{p}") for c in WRITER_CLASSES for p in ("bf16", "fp32")]
+
+
+@pytest.mark.parametrize("kind, what, precision", CHANNEL_WRITE_CASES)
+@check("CKPT-WRITE-004", "A channel-strategy writer's compressed-tensors checkpoint (llm-compressor's FP8_DYNAMIC) "
+       "holds, for every projection, FP8 codes equal bit for bit and an (N, 1) weight_scale (fp32, bf16 or fp16) "
+       "equal in value to the oracle's per-output-row quantization of the BF16 weight under the declared channel "
+       "policy, every other tensor in BF16 unchanged, no other names: on the tiny models (BF16 weights, or the "
+       "trainer's fp32 masters cast to BF16 first) and on every writer input class.",
+       requires=["checkpoint.write_channel"])
+def test_checkpoint_channel_writer_exact(engine, kind, what, precision, tmp_path):
+    if kind == "model":
+        sd = _model_sd(what, precision)
+        config = fixtures.tiny_model(what).config
+    else:
+        sd = _class_state_dict(what, torch.float32 if precision == "fp32" else torch.bfloat16)
+        config = _CLASS_CONFIG
+    path = Path(engine.checkpoint_write_channel(tmp_path / "ckpt", config, sd))
+    n = _compare_written_channel(path, sd, engine.scale_policy("channel"), f"{what} ({precision}, channel)")
+    record_metrics(quantized_weights=n)
+
+
+@pytest.mark.parametrize("cls", FINITE_CLASSES)
+@check("CKPT-WRITE-005", "Whatever the declared channel policy, a channel-strategy writer's checkpoint of finite "
+       "BF16 weights holds a finite row scale > 0 for every output row and no NaN or inf FP8 code (all-zero rows, "
+       "columns and blocks, tiny and huge amax): an all-zero row written as scale 0 and 0/0 codes passes "
+       "CKPT-WRITE-004 under a policy without a floor and poisons every loader.",
+       requires=["checkpoint.write_channel"])
+def test_checkpoint_channel_writer_finite_exact(engine, cls, tmp_path):
+    sd = _class_state_dict(cls, torch.bfloat16)
+    _, tensors = ck.read_checkpoint(Path(engine.checkpoint_write_channel(tmp_path / "ckpt", _CLASS_CONFIG, sd)))
+    bad, checked = _unusable_scales_or_codes(tensors, cct.SCALE_SUFFIX, "row")
+    assert checked, f"class {cls}: the file holds no FP8 weight"
+    assert not bad, f"class {cls} (BF16 weights, all finite; channel): " + "; ".join(bad)
+
+
+@MODELS
+@check("CKPT-WRITE-006", "Whatever the declared channel policy, every weight of a channel-strategy writer's checkpoint "
+       "of a tiny model's BF16 weights, dequantized exactly (codes x its row scale, fp64), is within the "
+       "quantization round-trip bound (quant_roundtrip, single rounding to the element format) of the BF16 weight, "
+       "and every other tensor is the BF16 weight unchanged.", bound="quant_roundtrip",
+       requires=["checkpoint.write_channel"])
+def test_checkpoint_channel_writer_roundtrip_bound(engine, model, tmp_path):
+    from fp8rl import tolerances
+
+    tm = fixtures.tiny_model(model)
+    path = Path(engine.checkpoint_write_channel(tmp_path / "ckpt", tm.config, tm.state_dict))
+    config, tensors = _read_channel(path, model)
+    scheme, _ = cct.weight_scheme(config)
+    pairs = cct.fp8_weights(config, tensors)
+    got = cct.dequantize_checkpoint(config, tensors, dtype=torch.float64)
+    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+    over, n_over, n_all, worst, worst_err = [], 0, 0, 0.0, 0.0
+    for name, x in tm.state_dict.items():
+        if name not in got:
+            over.append(f"{name}: missing")
+            continue
+        if name not in pairs:
+            if not torch.equal(got[name].double(), x.double()):
+                over.append(f"{name}: not the BF16 weight")
+            continue
+        codes, scale = pairs[name]
+        xd = x.double()
+        bound = tolerances.quant_roundtrip_bound(x.float().abs(), cct.expand_scale(scale.float(), scheme, x.shape),
+                                                 fmts[codes.dtype]).double()
+        err = (got[name] - xd).abs()
+        ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, torch.full_like(err, math.inf),
+                                                                torch.zeros_like(err)))
+        n_all += x.numel()
+        worst = max(worst, float(ratio.max()))
+        k = int((ratio > 1).sum())
+        if k:
+            n_over += k
+            worst_err = max(worst_err, float(err[ratio > 1].max()))
+            over.append(f"{name} {tuple(x.shape)}: {k} elements")
+    record_metrics(err_over_bound=worst, elements_over_bound=n_over)
+    assert not over, f"{model} (channel): {n_over} of {n_all} quantized elements in {len(over)} tensors exceed the " \
+        f"single-rounding bound quant_roundtrip, worst {worst:.4g}x the bound (max |err| {worst_err:.3g}): " \
+        + "; ".join(over[:4])
+
+
+@MODELS
+@check("CKPT-CONFIG-002", "A channel-strategy writer's config.json keeps the model config and carries the "
+       "compressed-tensors quantization_config of FP8_DYNAMIC: quant_method 'compressed-tensors', format "
+       "'float-quantized', quantization_status 'compressed', one config group targeting Linear with FP8 float "
+       "symmetric static channel weights and FP8 float symmetric dynamic per-token input activations, and ignore "
+       "listing exactly the routers and lm_head (a loader that reads static activations looks for an input_scale "
+       "the file does not have).", requires=["checkpoint.write_channel"])
+def test_checkpoint_channel_writer_config_exact(engine, model, tmp_path):
+    tm = fixtures.tiny_model(model)
+    path = Path(engine.checkpoint_write_channel(tmp_path / "ckpt", tm.config, tm.state_dict))
+    config, _ = _read_channel(path, model)
+    changed = sorted(k for k, v in tm.config.items() if k not in ("quantization_config", "torch_dtype", "dtype")
+                     and config.get(k) != v)
+    assert not changed, f"{model}: model config fields changed or dropped: {changed[:6]}"
+    qc = config["quantization_config"]
+    ignore = sorted(n[: -len(".weight")] for n in tm.state_dict if n.endswith((".mlp.gate.weight",
+                                                                               ".mlp.shared_expert_gate.weight")))
+    want = cct.channel_quantization_config(sorted(ignore + (["lm_head"] if "lm_head.weight" in tm.state_dict
+                                                            else [])))
+    bad = [f"{k}: {qc.get(k)!r}, expected {want[k]!r}" for k in ("quant_method", "format", "quantization_status")
+           if qc.get(k) != want[k]]
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        bad.append(f"config_groups: {len(groups)} groups, expected 1")
+    else:
+        (gname, group), = groups.items()
+        wg = want["config_groups"]["group_0"]
+        if group.get("targets") != wg["targets"]:
+            bad.append(f"config_groups.{gname}.targets: {group.get('targets')!r}, expected {wg['targets']!r}")
+        for part in ("weights", "input_activations"):
+            have = group.get(part) or {}
+            for k, v in wg[part].items():
+                if have.get(k) != v:
+                    bad.append(f"config_groups.{gname}.{part}.{k}: {have.get(k)!r}, expected {v!r}")
+    if sorted(qc.get("ignore") or []) != want["ignore"]:
+        bad.append(f"ignore: {qc.get('ignore')!r}, expected {want['ignore']!r}")
+    assert not bad, f"{model}: quantization_config: " + "; ".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # loaders: checkpoints written by the oracle writer
 
 
@@ -289,6 +465,11 @@ LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
 
 def _case_label(fmt: str, model: str) -> str:
     return model if fmt == "fp8" else f"{fmt.replace('fp8-', '')}:{model}"
+
+
+#: the loader checks' timeout: each may start an inference engine on a fresh checkpoint (a vllm.LLM start on 2 busy
+#: CPU cores: 25-80 s measured), well past the default 60 s of a check
+LOADER_TIMEOUT = 600
 
 
 def _loads_format(engine, fmt: str) -> None:
@@ -348,7 +529,7 @@ def _compare_loaded(held: dict, path: Path, context: str) -> None:
        "layer have different scales, each must dequantize with its own), and, for a loader that declares the "
        "compressed-tensors format, for the 128x128 codes and scales in its block-strategy form and for the "
        "oracle's channel-strategy (FP8_DYNAMIC) checkpoint, one scale per output row.",
-       requires=["checkpoint.load"])
+       requires=["checkpoint.load"], timeout=LOADER_TIMEOUT)
 def test_checkpoint_loader_exact(engine, fmt, model):
     _loads_format(engine, fmt)
     path = _oracle_checkpoint(model, fmt=fmt)
@@ -363,7 +544,7 @@ def test_checkpoint_loader_exact(engine, fmt, model):
        "max |dlogp|): held weights that match the file are not enough if the forward computes with others. The "
        "channel-strategy checkpoint prescribes dynamic per-token FP8 activations: its budgets are the "
        "fp8-linear-ptpc recipe's.",
-       bound="e2e_mismatch", requires=["checkpoint.score"])
+       bound="e2e_mismatch", requires=["checkpoint.score"], timeout=LOADER_TIMEOUT)
 def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
     from fp8rl.reference.rollout import mismatch_metrics
 
@@ -385,23 +566,34 @@ def test_checkpoint_loaded_logprobs_bound(engine, fmt, model, run_seed):
 @pytest.mark.parametrize("block", [(64, 128), (128, 64)], ids=["64x128", "128x64"])
 @check("CKPT-LOAD-002", "A loader honours weight_block_size: a checkpoint written with non-square 64x128 or "
        "128x64 blocks loads with each weight equal to codes x its block's scale exactly (no 128x128 assumption, "
-       "no transposed block).", requires=["checkpoint.load"])
+       "no transposed block).", requires=["checkpoint.load"], timeout=LOADER_TIMEOUT)
 def test_checkpoint_loader_block_size_exact(engine, block):
     _loads_format(engine, "fp8")
     path = _oracle_checkpoint("tiny-qwen3-moe", block)
     _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, weight_block_size {list(block)}")
 
 
-KEPT = ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.q_proj")
+#: the projections CKPT-LOAD-003's checkpoints keep in BF16 and list as ignored: one unfused projection and every
+#: shard of one fused layer (a loader that fuses q/k/v into one layer, as vLLM does, needs one scheme per fused layer)
+KEPT = ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj")
+
+#: CKPT-LOAD-003 / -004's layouts: blockwise FP8 on tiny-qwen3-moe, and the compressed-tensors channel layout on
+#: tiny-qwen3 (the dense model every loader of that layout starts, vLLM on any CPU included; case ids as LOAD_CASES')
+LAYOUT_CASES = [pytest.param("fp8", "tiny-qwen3-moe", id="tiny-qwen3-moe"),
+                pytest.param("compressed-tensors-channel", "tiny-qwen3", id="compressed-tensors-channel:tiny-qwen3")]
 
 
-@check("CKPT-LOAD-003", "A loader honours ignored_layers / modules_to_not_convert: projections the checkpoint keeps "
-       "in BF16 and lists there (besides the routers) are held bit-identical to the stored BF16 weights, the rest "
-       "dequantized exactly.", requires=["checkpoint.load"])
-def test_checkpoint_loader_ignored_layers_exact(engine):
-    _loads_format(engine, "fp8")
-    path = _oracle_checkpoint("tiny-qwen3-moe", (128, 128), KEPT)
-    _compare_loaded(engine.checkpoint_load(path), path, f"tiny-qwen3-moe, {len(KEPT)} projections kept BF16")
+@pytest.mark.parametrize("fmt, model", LAYOUT_CASES)
+@check("CKPT-LOAD-003", "A loader honours ignored_layers / modules_to_not_convert (compressed-tensors: ignore): "
+       "projections the checkpoint keeps in BF16 and lists there (besides the routers: an o_proj and the q/k/v "
+       "of one layer) are held bit-identical to the stored BF16 weights, the rest dequantized exactly; in each "
+       "layout the loader declares.", requires=["checkpoint.load"], timeout=LOADER_TIMEOUT)
+def test_checkpoint_loader_ignored_layers_exact(engine, fmt, model):
+    _loads_format(engine, fmt)
+    path = _oracle_checkpoint(model, (128, 128), KEPT, fmt=fmt)
+    _compare_loaded(engine.checkpoint_load(path), path,
+                    f"{_case_label(fmt, model)}, {len(KEPT)} projections kept BF16")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -443,8 +635,8 @@ def _bad_checkpoint(defect: str) -> Path:
 
 BAD_DEFECTS = ("scale-wrong-shape", "scale-missing", "scale-nan", "scale-inf", "block-size-contradicts")
 #: the same defects in the compressed-tensors channel layout (tiny-qwen3, a dense model every loader of that layout
-#: starts): an (N, 1) weight_scale with half the rows, a NaN row scale
-CHANNEL_DEFECTS = ("channel-scale-wrong-shape", "channel-scale-nan")
+#: starts): an (N, 1) weight_scale with half the rows, no weight_scale, a NaN row scale, an inf row scale
+CHANNEL_DEFECTS = ("channel-scale-wrong-shape", "channel-scale-missing", "channel-scale-nan", "channel-scale-inf")
 
 
 def _bad_channel_checkpoint(defect: str) -> Path:
@@ -457,8 +649,13 @@ def _bad_channel_checkpoint(defect: str) -> Path:
     s = tensors[sname].clone()
     if defect == "channel-scale-wrong-shape":
         tensors[sname] = s[: s.shape[0] // 2].contiguous()
+    elif defect == "channel-scale-missing":
+        del tensors[sname]
     elif defect == "channel-scale-nan":
         s[0, 0] = math.nan
+        tensors[sname] = s
+    elif defect == "channel-scale-inf":
+        s[-1, 0] = math.inf
         tensors[sname] = s
     else:
         raise ValueError(f"defect: unknown defect {defect!r}")
@@ -470,7 +667,8 @@ def _bad_channel_checkpoint(defect: str) -> Path:
 @check("CKPT-BAD-001", "A loader given a malformed blockwise-FP8 checkpoint (a scale of the wrong shape, a missing "
        "scale, a NaN or inf scale, a weight_block_size that contradicts the scale shapes) raises an error instead "
        "of holding weights; the same for a compressed-tensors channel checkpoint with a row-scale vector of the "
-       "wrong length or a NaN row scale (loaders of that layout).", requires=["checkpoint.load"])
+       "wrong length, no row-scale vector, a NaN or an inf row scale (loaders of that layout).",
+       requires=["checkpoint.load"], timeout=LOADER_TIMEOUT)
 def test_checkpoint_loader_rejects_bad_exact(engine, defect):
     channel = defect in CHANNEL_DEFECTS
     _loads_format(engine, "compressed-tensors-channel" if channel else "fp8")
@@ -555,24 +753,27 @@ def test_checkpoint_attention_scales_exact(engine, case):
     assert not bad, f"layer {layer} (file stores {KV_CASES[case] or 'no scale'}): " + "; ".join(bad)
 
 
-@functools.lru_cache(maxsize=1)
-def _oracle_checkpoint_with_attention_scales() -> Path:
+@functools.lru_cache(maxsize=4)
+def _oracle_checkpoint_with_attention_scales(fmt: str, model: str) -> Path:
     import shutil
     import tempfile
 
-    src = _oracle_checkpoint("tiny-qwen3-moe")
-    root = Path(tempfile.mkdtemp(prefix="moe-attn-scales-", dir=_scratch())) / "ckpt"
+    src = _oracle_checkpoint(model, fmt=fmt)
+    root = Path(tempfile.mkdtemp(prefix="attn-scales-", dir=_scratch())) / "ckpt"
     shutil.copytree(src, root)
     return ck.write_attention_scales(root, {0: {"q": 0.25, "k": 0.0625, "v": 0.125}, 1: {"k": 0.5}})
 
 
-@check("CKPT-LOAD-004", "A loader loading a 128x128 checkpoint that also stores per-layer k_scale / v_scale / "
-       "q_scale holds every weight exactly as without them (codes x block scales, no attention scale applied to a "
-       "projection or mistaken for a weight scale); it may keep or drop the attention scales themselves.",
-       requires=["checkpoint.load"])
-def test_checkpoint_loader_with_attention_scales_exact(engine):
-    _loads_format(engine, "fp8")
-    path = _oracle_checkpoint_with_attention_scales()
+@pytest.mark.parametrize("fmt, model", LAYOUT_CASES)
+@check("CKPT-LOAD-004", "A loader loading a checkpoint that also stores per-layer k_scale / v_scale / q_scale holds "
+       "every weight exactly as without them (codes x scales, no attention scale applied to a projection or "
+       "mistaken for a weight scale), in each layout it declares; it may keep or drop the attention scales "
+       "themselves.", requires=["checkpoint.load"], timeout=LOADER_TIMEOUT)
+def test_checkpoint_loader_with_attention_scales_exact(engine, fmt, model):
+    import tempfile
+
+    _loads_format(engine, fmt)
+    path = _oracle_checkpoint_with_attention_scales(fmt, model)
     held = engine.checkpoint_load(path)
     if isinstance(held, dict):
         config, tensors = ck.read_checkpoint(path)
@@ -580,15 +781,12 @@ def test_checkpoint_loader_with_attention_scales_exact(engine):
                  for x in ck.ATTENTION_SCALES}
         kept = {n: held[n] for n in names if n in held}
         held = {n: t for n, t in held.items() if n not in names}
-        _strip = Path(_scratch()) / "moe-attn-scales-view"
-        if not _strip.exists():
-            ck.write_tensors(_strip, config, {n: t for n, t in tensors.items() if n not in names},
-                             config["quantization_config"])
         bad = [f"{n}: {t.reshape(-1)[:1].tolist()} vs {tensors[n].tolist()}" for n, t in kept.items()
                if t.numel() != 1 or float(t.float().reshape(())) != float(tensors[n])]
         assert not bad, f"attention scales held but changed: {bad[:4]}"
-        path = _strip
-    _compare_loaded(held, path, "tiny-qwen3-moe with attention scales")
+        path = ck.write_tensors(Path(tempfile.mkdtemp(prefix="attn-scales-view-", dir=_scratch())), config,
+                                {n: t for n, t in tensors.items() if n not in names}, config["quantization_config"])
+    _compare_loaded(held, path, f"{_case_label(fmt, model)} with attention scales")
 
 
 @check("CKPT-KV-002", "A loader running an FP8 (e4m3) KV cache on a checkpoint that stores v_scale but no k_scale "

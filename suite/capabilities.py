@@ -93,6 +93,10 @@ def _table() -> dict[str, Capability]:
         Capability("checkpoint.write", "checkpoint", ("checkpoint_write", "scale_policy"),
                    "checkpoint_write: BF16/fp32 weights → a blockwise-FP8 HF checkpoint (codes, *_weight_scale_inv, "
                    "quantization_config) under the declared scale_policy('block')"),
+        Capability("checkpoint.write_channel", "checkpoint", ("checkpoint_write_channel", "scale_policy"),
+                   "checkpoint_write_channel: BF16/fp32 weights → a compressed-tensors channel-strategy checkpoint "
+                   "(llm-compressor's FP8_DYNAMIC: codes, one weight_scale per output row, dynamic per-token FP8 "
+                   "activations) under the declared scale_policy('channel')"),
         Capability("checkpoint.load", "checkpoint", ("checkpoint_load",),
                    "checkpoint_load: the weights a loader holds after loading a blockwise-FP8 checkpoint "
                    "(dequantized, checkpoint names); bad checkpoints raise"),

@@ -119,6 +119,7 @@ class CompressedTensorsEngine(Engine):
                                   "compressed-tensors' microscaling recipes: engine compressed-tensors-mx"))
         caps["weight_sync"] = True
         caps["checkpoint.write"] = True
+        caps["checkpoint.write_channel"] = True
         caps["checkpoint.load"] = ("compressed-tensors loads only its own format (ModelCompressor.decompress_model "
                                    "under transformers' CompressedTensorsHfQuantizer); the loader checks feed "
                                    "blockwise-FP8 (quant_method fp8) checkpoints")
@@ -261,6 +262,20 @@ class CompressedTensorsEngine(Engine):
     def checkpoint_write(self, out_dir: Any, config: Any, state_dict: Any) -> Path:
         """A compressed-tensors FP8_BLOCK checkpoint of ``state_dict`` (BF16, or fp32 masters cast to BF16 first)
         through apply_quantization_config + ModelCompressor (see the module docstring). Returns the directory."""
+        return self._write_checkpoint(out_dir, config, state_dict, "FP8_BLOCK", Granularity.block(128))
+
+    def checkpoint_write_channel(self, out_dir: Any, config: Any, state_dict: Any) -> Path:
+        """A compressed-tensors FP8_DYNAMIC checkpoint (llm-compressor's most common FP8 scheme: channel-strategy
+        weights, one BF16 ``weight_scale`` per output row, dynamic per-token FP8 activations) of ``state_dict``, the
+        same way as :meth:`checkpoint_write`. Returns the directory."""
+        return self._write_checkpoint(out_dir, config, state_dict, "FP8_DYNAMIC", Granularity.channel())
+
+    def _write_checkpoint(self, out_dir: Any, config: Any, state_dict: Any, preset: str,
+                          granularity: Granularity) -> Path:
+        """The state dict's BF16 cast as a module tree, compressed-tensors' preset scheme ``preset`` applied to
+        every projection (ignore: ``lm_head`` and the routers), the weights' qparams for ``granularity`` (see
+        :meth:`_qparams`) installed, ``ModelCompressor`` compressing, its state dict saved and its
+        ``update_config`` writing ``quantization_config``."""
         if self._ct is None:
             raise Unsupported(self._reason or _HINT)
         import re
@@ -271,20 +286,20 @@ class CompressedTensorsEngine(Engine):
         ct = self._ct
         sd = {k: (v.detach().to("cpu", torch.bfloat16) if v.is_floating_point() else v.detach().cpu()).contiguous()
               for k, v in state_dict.items()}
-        recipe = ws.WeightSyncRecipe(policy=self.scale_policy("block"))
+        recipe = ws.WeightSyncRecipe(policy=self.scale_policy(granularity.kind))
         quantized = {n[: -len(".weight")] for n, t in sd.items() if ws.is_quantized_name(n, tuple(t.shape), recipe)}
         kept = sorted(n[: -len(".weight")] for n, t in sd.items()
                       if t.dim() == 2 and (n == "lm_head.weight" or re.search(r"(^|\.)mlp\.(gate|shared_expert_gate)"
                                                                               r"\.weight$", n)))
         model = self._module_tree(sd, quantized | set(kept))
-        scheme = ct["preset"]("FP8_BLOCK", ["Linear"])
+        scheme = ct["preset"](preset, ["Linear"])
         ct["apply"](model, ct["config"](config_groups={"group_0": scheme}, ignore=kept))
         for _, module in model.named_modules():
             if getattr(module, "quantization_scheme", None) is None:
                 continue
-            _, state = self._block_module_state(module.weight.data)
-            module.weight_scale.data.copy_(state["weight_scale"])
-            module.weight_zero_point.data.copy_(state["weight_zero_point"])
+            _, scale, zp = self._qparams(module.weight.data, granularity)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
         compressor = ct["model_compressor"].from_pretrained_model(model)
         compressor.compress_model(model)
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -219,6 +219,15 @@ class ReferenceEngine(Engine):
 
         return ck.write_checkpoint(out_dir, config, state_dict, ck.CheckpointSpec(policy=self.scale_policy("block")))
 
+    def checkpoint_write_channel(self, out_dir, config, state_dict):
+        """The oracle's compressed-tensors channel-strategy checkpoint (fp8rl.reference.checkpoint_ct
+        .write_channel_checkpoint) under the declared channel policy."""
+        from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import checkpoint_ct as cct
+
+        return cct.write_channel_checkpoint(out_dir, config, state_dict,
+                                            ck.CheckpointSpec(policy=self.scale_policy("channel")))
+
     #: the ``quant_method`` of the checkpoints :meth:`checkpoint_load` reads (``fp8rl checkpoint-matrix`` does not
     #: run a loader on a file of another format; engines without the attribute read ``fp8`` only)
     checkpoint_formats = ("fp8", "compressed-tensors")

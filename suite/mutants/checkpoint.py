@@ -139,6 +139,68 @@ class WriterSqueezedScale(ReferenceEngine):
                                       for k, v in t.items()})
 
 
+# -- channel-strategy writers (compressed-tensors FP8_DYNAMIC) ----------------------------------------------------
+
+def _is_row_scale(name: str) -> bool:
+    return name.endswith(".weight_scale")
+
+
+@mutant("ckpt-channel-writer-scale-inverse", "the channel writer stores the quant multiplier 448/amax of each row as "
+        "weight_scale instead of the dequant scale amax/448", kills=("CKPT-WRITE-004",))
+class ChannelWriterScaleInverse(ReferenceEngine):
+    def checkpoint_write_channel(self, out_dir, config, state_dict):
+        p = super().checkpoint_write_channel(out_dir, config, state_dict)
+        return _rewrite(p, lambda t: {k: (1.0 / v.double()).to(v.dtype) if _is_row_scale(k) else v
+                                      for k, v in t.items()})
+
+
+@mutant("ckpt-channel-writer-fp32-direct", "the channel writer takes each row's amax and codes from the trainer's "
+        "fp32 master weights instead of their BF16 cast (the rows of a BF16 model then dequantize to other values "
+        "than the weights the trainer syncs)", kills=("CKPT-WRITE-004",))
+class ChannelWriterFp32Direct(ReferenceEngine):
+    def checkpoint_write_channel(self, out_dir, config, state_dict):
+        from fp8rl.reference import checkpoint_ct as cct
+        from fp8rl.reference.quant import Granularity, quantize
+
+        p = super().checkpoint_write_channel(out_dir, config, state_dict)
+        policy = self.scale_policy("channel")
+
+        def edit(t):
+            for name in [k for k in t if _is_row_scale(k)]:
+                w = name[: -len(cct.SCALE_SUFFIX)]
+                qt = quantize(state_dict[w].float(), Granularity.channel(), policy)
+                t[w] = qt.codes.view(torch.float8_e4m3fn)
+                t[name] = qt.scale.reshape(-1, 1).to(t[name].dtype)
+            return t
+        return _rewrite(p, edit)
+
+
+@mutant("ckpt-channel-writer-static-activations", "the channel writer copies compressed-tensors' FP8 preset for the "
+        "activations (static per-tensor input scales) into an FP8_DYNAMIC file that stores no input_scale",
+        kills=("CKPT-CONFIG-002",))
+class ChannelWriterStaticActivations(ReferenceEngine):
+    def checkpoint_write_channel(self, out_dir, config, state_dict):
+        p = super().checkpoint_write_channel(out_dir, config, state_dict)
+
+        def edit(qc):
+            for g in qc["config_groups"].values():
+                g["input_activations"] = dict(g["input_activations"], dynamic=False, strategy="tensor")
+            return qc
+        return _rewrite(p, edit_qc=edit)
+
+
+@mutant("ckpt-channel-writer-unguarded-declared", "the channel writer has no floor and says so (s = amax/448, 0/0 "
+        "for a zero row): its declared channel policy is met bit-exactly, so an all-zero output row is written as "
+        "scale 0 and NaN codes", kills=("CKPT-WRITE-005",))
+class ChannelWriterUnguardedDeclared(ReferenceEngine):
+    def scale_policy(self, kind):
+        from dataclasses import replace
+
+        p = super().scale_policy(kind)
+        return replace(p, name=f"{p.name}-unguarded", floor="none", eps=0.0, zero_amax="nan") if kind == "channel" \
+            else p
+
+
 # -- loaders -------------------------------------------------------------------------------------------------------
 
 def _reload_with(path, block=None, scale_fn=None, skip_ignored=False, validate=True):

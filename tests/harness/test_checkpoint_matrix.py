@@ -219,3 +219,36 @@ def test_checkpoint_layout_reason_checks_the_format_then_the_engine():
     assert checkpoint_layout_reason(ReferenceEngine(), "compressed-tensors-channel") is None  # no hook: loads
     with pytest.raises(ValueError, match="layout: expected one of"):
         checkpoint_layout_reason(eng, "fp8-block")
+
+
+def test_matrix_channel_writer_of_an_engine_without_it_is_not_run_with_the_reason(tmp_path, monkeypatch):
+    """A layout writer (``compressed-tensors-channel``: engine compressed-tensors' ``checkpoint_write_channel``)
+    whose engine lacks ``checkpoint.write_channel`` here gets "not run" cells carrying the capability's reason;
+    ``reference-channel`` goes through the reference engine's channel writer (its file within bound, read exactly)."""
+    from fp8rl.engines.compressed_tensors import CompressedTensorsEngine
+
+    monkeypatch.setattr(CompressedTensorsEngine, "capabilities",
+                        lambda self: {"checkpoint.write_channel": "no FP8_DYNAMIC writer in this environment"})
+    out = tmp_path / "m"
+    rc = main(["checkpoint-matrix", "--writer", "compressed-tensors-channel", "--writer", "reference-channel",
+               "--loader", "reference", "--model", "tiny-qwen3", "--out", str(out)])
+    cells = {c["writer"]: c for c in json.loads((out / "matrix.json").read_text())["cells"]}
+    ct = cells["compressed-tensors-channel"]
+    assert ct["status"] == "not run" and "no FP8_DYNAMIC writer in this environment" in ct["detail"]
+    ref = cells["reference-channel"]
+    assert ref["format"] == "compressed-tensors-channel" and ref["file"]["status"] == "conformant"
+    assert ref["status"] == "conformant"
+    assert rc == 0
+
+
+def test_reference_channel_writer_meets_the_channel_writer_checks(tmp_path):
+    """The reference engine's ``checkpoint_write_channel`` (the oracle writer under its channel policy) passes
+    CKPT-WRITE-004/005/006 and CKPT-CONFIG-002, which the channel-writer mutants fail (tests/checks/test_mutants.py)."""
+    out = tmp_path / "r"
+    rc = main(["conformance", "--engine", "reference", "--area", "checkpoint", "-k",
+               "channel_writer", "--no-isolation", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    ids = {c["id"] for c in report["checks"]}
+    assert ids == {"CKPT-WRITE-004", "CKPT-WRITE-005", "CKPT-WRITE-006", "CKPT-CONFIG-002"}
+    assert {c["outcome"] for c in report["checks"]} == {"passed"} and len(report["checks"]) == 29
+    assert rc == 0

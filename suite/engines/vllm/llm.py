@@ -574,10 +574,12 @@ def _channel_weight(mod: Any, n: int) -> Any:
 
 def _computed_weights(worker) -> dict | str:
     """(in the worker) checkpoint name → the weight each linear layer computes with (``quant_method.apply`` on the
-    identity, transposed, split by ``logical_widths``; a channel-wise FP8 layer's codes × scales, exact in fp64:
+    identity, transposed, split by ``logical_widths`` or, unquantized, ``output_partition_sizes``; a channel-wise
+    FP8 layer's codes × scales, exact in fp64:
     :func:`_channel_weight`), every other parameter as held; a message instead when the model has fused-MoE
     experts (no read-back)."""
     import torch
+    from vllm.model_executor.layers.linear import LinearBase
 
     model = worker.model_runner.get_model()
     mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
@@ -588,7 +590,11 @@ def _computed_weights(worker) -> dict | str:
             return (f"{name}: vLLM's fused-MoE experts are VNNI-packed for the CPU expert kernel "
                     "(prepare_fp8_moe_layer_for_cpu), which applies the activation between its two GEMMs: the "
                     "weights cannot be read back through a forward; CKPT-LOAD-005 judges them by the log-probs")
-        widths = getattr(mod, "logical_widths", None)
+        # a quantized layer's logical_widths; an unquantized (BF16, e.g. listed in ignore) one has none, and on CPU
+        # its weight is removed once packed for the GEMM (dispatch_cpu_unquantized_gemm(remove_weight=True)): it is
+        # read through the identity as well, split by its output_partition_sizes (q/k/v, gate/up: tensor parallel 1)
+        widths = getattr(mod, "logical_widths", None) or (getattr(mod, "output_partition_sizes", None)
+                                                           if isinstance(mod, LinearBase) else None)
         qm = getattr(mod, "quant_method", None)
         if widths is None or qm is None or not hasattr(mod, "input_size_per_partition"):
             continue
@@ -603,7 +609,7 @@ def _computed_weights(worker) -> dict | str:
             return f"{name}: {len(widths)} logical widths but packed_modules_mapping lists {parts}"
         off = 0
         for part, n in zip(parts, widths):
-            out[f"{prefix}.{part}.weight"] = w[off: off + n].clone()
+            out[f"{prefix}.{part}.weight" if prefix else f"{part}.weight"] = w[off: off + n].clone()
             off += n
         read.add(name)
     for pname, p in model.named_parameters():

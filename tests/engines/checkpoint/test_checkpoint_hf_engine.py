@@ -323,11 +323,12 @@ def test_loaded_moe_scores_like_the_oracle_exact():
 
 @PIN
 @needs_ct_loader
-def test_channel_checkpoint_exact_and_nan_row_scale_finding():
+def test_channel_checkpoint_exact_and_bad_row_scale_findings():
     """The oracle's compressed-tensors channel (FP8_DYNAMIC) file of tiny-qwen3 loads exactly (every projection
     codes x its rows' scales rounded once to BF16); with a NaN in row 0 of q_proj's weight_scale it still loads,
-    that row NaN (hf-fp8.xfails CKPT-BAD-001[channel-scale-nan]), while a row-scale vector of half the length
-    raises."""
+    that row NaN (hf-fp8.xfails CKPT-BAD-001[channel-scale-nan]; an inf row scale likewise, [channel-scale-inf]),
+    a file without the row scales with the raw codes as the weight ([channel-scale-missing]), while a row-scale
+    vector of half the length raises."""
     from fp8rl.conformance import test_checkpoint as tc
     from fp8rl.engine import EngineError
     from fp8rl.reference import checkpoint_ct as cct
@@ -341,5 +342,13 @@ def test_channel_checkpoint_exact_and_nan_row_scale_finding():
     bad = HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-nan"))
     q = bad[tc._VICTIM].float()
     assert int(torch.isnan(q).sum()) == q.shape[1] and bool(torch.isnan(q[0]).all())
+    # CKPT-BAD-001[channel-scale-inf]: the last row inf, every other row exact
+    q = HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-inf"))[tc._VICTIM]
+    assert int(torch.isinf(q.float()).sum()) == q.shape[1] and bool(torch.isinf(q[-1].float()).all())
+    assert torch.equal(q[:-1].view(torch.int16), want[tc._VICTIM][:-1].view(torch.int16))
+    # CKPT-BAD-001[channel-scale-missing]: the raw e4m3 codes as the weight (scale 1)
+    codes = ck.read_checkpoint(path)[1][tc._VICTIM]
+    q = HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-missing"))[tc._VICTIM]
+    assert torch.equal(q.float(), codes.float()) and float((q.double() - want[tc._VICTIM].double()).abs().max()) > 400
     with pytest.raises((RuntimeError, ValueError, EngineError)):
         HfFp8Engine().checkpoint_load(tc._bad_channel_checkpoint("channel-scale-wrong-shape"))
