@@ -696,12 +696,22 @@ KV_CASES: dict[str, dict[str, float]] = {
 }
 
 
-@functools.lru_cache(maxsize=2)
-def _kv_checkpoint(cases: tuple[tuple[str, float], ...] | None = None) -> Path:
-    """tiny-qwen3 stacked to one layer per KV case (layers 0-1 repeated), every projection kept in BF16 and listed
-    in ignored_layers (so a loader needs no FP8 linear kernel: on CPU vLLM has none for block or per-tensor FP8
-    weights), and the attention scales of KV_CASES, layer i holding case i; with ``cases`` (a tuple of (q|k|v,
-    value)), two layers holding those scales instead."""
+#: the kv_cache_scheme of a compressed-tensors file whose KV cache is FP8 with one static scale per tensor (what
+#: llm-compressor writes for ``kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor}``)
+CT_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+#: the attention-scale checks' file formats (case-id prefix): blockwise FP8 with every projection in BF16 (no FP8
+#: linear kernel needed), and a compressed-tensors channel (FP8_DYNAMIC) file with an FP8 kv_cache_scheme
+KV_FORMATS = {"fp8": "", "compressed-tensors-channel": "compressed-tensors-channel:"}
+
+
+@functools.lru_cache(maxsize=4)
+def _kv_checkpoint(cases: tuple[tuple[str, float], ...] | None = None, fmt: str = "fp8") -> Path:
+    """tiny-qwen3 stacked to one layer per KV case (layers 0-1 repeated) with the attention scales of KV_CASES,
+    layer i holding case i; with ``cases`` (a tuple of (q|k|v, value)), two layers holding those scales instead.
+    ``fmt="fp8"``: every projection kept in BF16 and listed in ignored_layers (so a loader needs no FP8 linear
+    kernel: on CPU vLLM has none for block or per-tensor FP8 weights); ``fmt="compressed-tensors-channel"``: the
+    oracle's channel file (whose kernel vLLM runs on any CPU) with ``kv_cache_scheme`` :data:`CT_KV_CACHE_SCHEME`."""
     import tempfile
 
     tm = fixtures.tiny_model("tiny-qwen3")
@@ -717,22 +727,38 @@ def _kv_checkpoint(cases: tuple[tuple[str, float], ...] | None = None) -> Path:
             if j % n0 == int(i):
                 sd[f"model.layers.{j}.{rest}"] = t.clone()
     config = dict(tm.config, num_hidden_layers=len(rows))
-    keep = tuple(sorted({n[: -len(".weight")] for n, t in sd.items() if t.dim() == 2 and n.endswith("_proj.weight")}))
     root = Path(tempfile.mkdtemp(prefix="kv-scales-", dir=_scratch()))
-    ck.write_checkpoint(root, config, sd, ck.CheckpointSpec(keep=keep))
+    if fmt == "compressed-tensors-channel":
+        cct.write_channel_checkpoint(root, config, sd)
+        cfg, tensors = ck.read_checkpoint(root)
+        ck.write_tensors(root, cfg, tensors, dict(cfg["quantization_config"], kv_cache_scheme=dict(CT_KV_CACHE_SCHEME)))
+    else:
+        keep = tuple(sorted({n[: -len(".weight")] for n, t in sd.items()
+                             if t.dim() == 2 and n.endswith("_proj.weight")}))
+        ck.write_checkpoint(root, config, sd, ck.CheckpointSpec(keep=keep))
     return ck.write_attention_scales(root, dict(enumerate(rows)))
 
 
 _KV_LOADED: dict = {}
 
 
-@pytest.mark.parametrize("case", list(KV_CASES))
+def _kv_format(engine, fmt: str) -> None:
+    """Skip a compressed-tensors case for a loader that does not read that layout here (the blockwise cases need no
+    FP8 linear kernel: every loader of attention scales reads them)."""
+    if fmt != "fp8":
+        _loads_format(engine, fmt)
+
+
+@pytest.mark.parametrize("fmt, case", [pytest.param(f, c, id=f"{p}{c}") for f, p in KV_FORMATS.items()
+                                       for c in KV_CASES])
 @check("CKPT-KV-001", "A loader running an FP8 (e4m3) KV cache on a checkpoint that stores k_scale, v_scale and "
        "q_scale per layer, each present or absent, uses exactly the file's scales, and where one is absent the "
-       "documented default (k and v absent: 1.0; k alone: the k scale for both; q absent: the k scale).",
+       "documented default (k and v absent: 1.0; k alone: the k scale for both; q absent: the k scale); in a "
+       "blockwise file and in a compressed-tensors channel file with an FP8 kv_cache_scheme.",
        requires=["checkpoint.attention_scales"], timeout=600)
-def test_checkpoint_attention_scales_exact(engine, case):
-    path = _kv_checkpoint()
+def test_checkpoint_attention_scales_exact(engine, fmt, case):
+    _kv_format(engine, fmt)
+    path = _kv_checkpoint(fmt=fmt)
     key = (engine.name, id(engine), str(path))
     if key not in _KV_LOADED:  # one load per engine for all cases (a vLLM start: ~25-60 s on CPU)
         try:
@@ -789,11 +815,14 @@ def test_checkpoint_loader_with_attention_scales_exact(engine, fmt, model):
     _compare_loaded(held, path, f"{_case_label(fmt, model)} with attention scales")
 
 
+@pytest.mark.parametrize("fmt", [pytest.param(f, id=p.rstrip(":") or "fp8") for f, p in KV_FORMATS.items()])
 @check("CKPT-KV-002", "A loader running an FP8 (e4m3) KV cache on a checkpoint that stores v_scale but no k_scale "
        "uses that v scale for both keys and values (and, q absent, for the query), or raises an error naming the "
-       "missing k_scale.", requires=["checkpoint.attention_scales"], timeout=600)
-def test_checkpoint_attention_scales_v_only_exact(engine):
-    path = _kv_checkpoint((("v", 1.5),))
+       "missing k_scale; in a blockwise file and in a compressed-tensors channel file with an FP8 kv_cache_scheme.",
+       requires=["checkpoint.attention_scales"], timeout=600)
+def test_checkpoint_attention_scales_v_only_exact(engine, fmt):
+    _kv_format(engine, fmt)
+    path = _kv_checkpoint((("v", 1.5),), fmt=fmt)
     try:
         used = engine.checkpoint_attention_scales(path)
     except EngineError as e:

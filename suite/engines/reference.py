@@ -251,9 +251,10 @@ class ReferenceEngine(Engine):
     def checkpoint_attention_scales(self, path):
         """The oracle's attention scales: the file's (validated), the documented defaults where absent."""
         from fp8rl.reference import checkpoint as ck
+        from fp8rl.reference import checkpoint_ct as cct
 
         config, tensors = ck.read_checkpoint(path)
-        ck.fp8_pairs(config, tensors)
+        cct.fp8_weights_any(config, tensors)  # the file validates, in either format
         return ck.expected_attention_scales(ck.attention_scales_in_file(tensors, config["num_hidden_layers"]))
 
     # -- areas quantization and gemm, microscaling recipes: MXFP8 / MXFP4 (E8M0 per 32) and NVFP4 (E4M3 per 16 × fp32 global), fp8rl.reference.microscaling

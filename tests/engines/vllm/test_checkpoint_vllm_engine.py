@@ -27,7 +27,36 @@ def test_xfails_name_the_kv_findings():
     import fp8rl.conformance.test_checkpoint  # noqa: F401  (registers the CKPT-* checks)
 
     ids = {entry[0] for entry in parse_id_file(XFAILS)}
-    assert {"CKPT-KV-001[kv-no-q]", "CKPT-KV-001[k-only]", "CKPT-KV-002", "CKPT-BAD-002[kv-negative]"} <= ids
+    assert {"CKPT-KV-001[kv-no-q]", "CKPT-KV-001[k-only]", "CKPT-KV-002[fp8]", "CKPT-BAD-002[kv-negative]",
+            "CKPT-KV-001[compressed-tensors-channel:k-only]", "CKPT-KV-001[compressed-tensors-channel:kv-no-q]",
+            "CKPT-KV-002[compressed-tensors-channel]"} <= ids
+
+
+@needs_vllm
+@PIN
+def test_finding_compressed_tensors_kv_scales_start_at_one():
+    """CKPT-KV-001[compressed-tensors-channel:*] and CKPT-KV-002[compressed-tensors-channel] at the method: for a
+    compressed-tensors checkpoint vLLM's attention layers get q/k/v scales initialized to 1.0
+    (CompressedTensorsKVCacheMethod.create_weights), where every other FP8 KV-cache method starts them at the -1.0
+    "not loaded" sentinel (BaseKVCacheMethod.create_weights) that process_weights_after_loading's documented
+    completion (a lone k or v for both, q = k) keys on: an absent scale is indistinguishable from a stored 1.0."""
+    import torch
+    from fp8rl.conformance.test_checkpoint import CT_KV_CACHE_SCHEME
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsKVCacheMethod,
+    )
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    class Config:
+        kv_cache_scheme = dict(CT_KV_CACHE_SCHEME)
+
+    ct_layer, base_layer = torch.nn.Module(), torch.nn.Module()
+    ct_layer.num_kv_heads = base_layer.num_kv_heads = 2
+    CompressedTensorsKVCacheMethod(Config()).create_weights(ct_layer)
+    BaseKVCacheMethod(Config()).create_weights(base_layer)
+    for x in ("q", "k", "v"):
+        assert getattr(ct_layer, f"{x}_scale").tolist() == [1.0], x
+        assert float(getattr(base_layer, f"{x}_scale")) == -1.0, x
 
 
 @needs_vllm
