@@ -481,44 +481,20 @@ def _loads_format(engine, fmt: str) -> None:
 
 
 def _compare_loaded(held: dict, path: Path, context: str) -> None:
-    """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype."""
+    """The loader's weights vs codes × scales of the file, exact in fp64 and rounded once to the held dtype
+    (fp8rl.checkpoint_compare, the comparison the interop matrix's cells report too)."""
+    from fp8rl.checkpoint_compare import compare_held
+
     if not isinstance(held, dict):
         raise AssertionError(f"{context}: checkpoint_load returned {type(held).__name__}, expected a dict")
-    config, tensors = ck.read_checkpoint(path)
-    try:
-        want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
-    except ck.CheckpointError as exc:
-        raise AssertionError(f"{context}: not a valid FP8 checkpoint: {exc}") from exc
-    suffix = cct.scale_suffix_any(config)
-    missing, extra = sorted(set(want64) - set(held)), sorted(set(held) - set(want64))
-    assert not missing and not extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
-        f"{missing[:6]}, unexpected {extra[:6]}"
-    bad, total, worst = [], 0, 0.0
-    for name, w in want64.items():
-        h = held[name]
-        if not isinstance(h, torch.Tensor) or tuple(h.shape) != tuple(w.shape):
-            bad.append(f"{name}: {getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}, "
-                       f"expected shape {tuple(w.shape)}")
-            continue
-        if name in tensors and tensors[name].dtype == h.dtype and name + suffix not in tensors:
-            want = tensors[name]  # stored as is
-        elif h.dtype in (torch.bfloat16, torch.float32, torch.float64):
-            want = ck.round_exact(w, h.dtype)
-        else:
-            bad.append(f"{name}: held as {h.dtype}, expected a floating dtype")
-            continue
-        g_np, w_np = h.detach().double().numpy(), want.detach().double().numpy()
-        diff = ~((g_np == w_np) | (np.isnan(g_np) & np.isnan(w_np)))
-        n = int(diff.sum())
-        total += n
-        if n:
-            err = float(np.nanmax(np.abs(g_np - w.double().numpy())[diff]))
-            worst = max(worst, err)
-            idx = tuple(int(i) for i in np.argwhere(diff)[0])
-            bad.append(f"{name} {tuple(w.shape)}: {n}/{w.numel()} values differ (first at {idx}: {float(g_np[idx])!r}"
-                       f" vs {float(w_np[idx])!r}; max |held - exact| {err:.3g})")
-    record_metrics(mismatch_count=total, max_abs_err=worst)
-    assert not bad, f"{context}: {len(bad)} tensors differ from codes x scales of the file: " + "; ".join(bad[:6])
+    c = compare_held(held, path)
+    if c.invalid:
+        raise AssertionError(f"{context}: {c.invalid}")
+    assert not c.missing and not c.extra, f"{context}: held weights' names differ from the checkpoint's: missing " \
+        f"{c.missing[:6]}, unexpected {c.extra[:6]}"
+    record_metrics(mismatch_count=c.values_differ, max_abs_err=c.max_abs_err)
+    assert not c.differences, f"{context}: {len(c.differences)} tensors differ from codes x scales of the file: " \
+        + "; ".join(d.text() for d in c.differences[:6])
 
 
 @pytest.mark.parametrize("fmt, model", LOAD_CASES)

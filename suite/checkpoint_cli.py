@@ -109,48 +109,20 @@ def _writer_reason(engine: Any, layout: str | None = None) -> str | None:
 
 
 def judge(held: Any, path: Path) -> dict[str, Any]:
-    """One cell: the loader's held weights vs codes × scales of the file."""
-    import numpy as np
-    import torch
-    from fp8rl.reference import checkpoint as ck
-    from fp8rl.reference import checkpoint_ct as cct
+    """One cell: the loader's held weights vs codes × scales of the file (fp8rl.checkpoint_compare, CKPT-LOAD-001's
+    comparison); tensors the loader holds beyond the file's are not judged here."""
+    from fp8rl.checkpoint_compare import compare_held
 
-    config, tensors = ck.read_checkpoint(path)
-    try:
-        want64 = cct.dequantize_any(config, tensors, dtype=torch.float64)
-        suffix = cct.scale_suffix_any(config)
-    except ck.CheckpointError as exc:
-        what = "compressed-tensors FP8" if cct.is_compressed_tensors(config) else "FP8"
-        return {"status": "deviation", "detail": f"the file is not a valid {what} checkpoint: {exc}"}
-    missing = sorted(set(want64) - set(held))
-    if missing:
-        return {"status": "deviation", "detail": f"{len(missing)} tensors not held, e.g. {missing[0]}"}
-    n_bad, n_tensors, worst, first = 0, 0, 0.0, ""
-    total = 0
-    for name, w in want64.items():
-        h = held[name]
-        if name in tensors and name + suffix not in tensors and h.dtype == tensors[name].dtype:
-            want = tensors[name]
-        else:
-            want = ck.round_exact(w, h.dtype if h.dtype in (torch.bfloat16, torch.float32, torch.float64)
-                                  else torch.float32)
-        total += w.numel()
-        if tuple(h.shape) != tuple(w.shape):
-            n_tensors += 1
-            first = first or f"{name}: shape {tuple(h.shape)}, expected {tuple(w.shape)}"
-            continue
-        g, e = h.detach().double().numpy(), want.detach().double().numpy()
-        diff = ~((g == e) | (np.isnan(g) & np.isnan(e)))
-        if diff.any():
-            n_bad += int(diff.sum())
-            n_tensors += 1
-            err = float(np.nanmax(np.abs(g - w.double().numpy())[diff]))
-            worst = max(worst, err)
-            first = first or f"{name} {tuple(w.shape)}: {int(diff.sum())} values, max |err| {err:.3g}"
-    if n_tensors:
-        return {"status": "deviation", "values_differ": n_bad, "values": total, "tensors_differ": n_tensors,
-                "max_abs_err": worst, "detail": first}
-    return {"status": "conformant", "values": total, "tensors": len(want64)}
+    c = compare_held(held, path)
+    if c.invalid:
+        return {"status": "deviation", "detail": f"the file is {c.invalid}"}
+    if c.missing:
+        return {"status": "deviation", "detail": f"{len(c.missing)} tensors not held, e.g. {c.missing[0]}"}
+    if c.differences:
+        return {"status": "deviation", "values_differ": c.values_differ, "values": c.values,
+                "tensors_differ": len(c.differences), "max_abs_err": c.max_abs_err,
+                "detail": c.differences[0].text()}
+    return {"status": "conformant", "values": c.values, "tensors": c.tensors}
 
 
 def judge_logprobs(engine: Any, path: Path, model: str) -> dict[str, Any]:
