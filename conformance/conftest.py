@@ -81,3 +81,24 @@ def _prune_mutant_matrix(request: pytest.FixtureRequest) -> None:
     methods = ops_of(required_capabilities(spec, dict(callspec.params) if callspec else {}))
     if methods is not None and all(getattr(cls, m, None) is getattr(ReferenceEngine, m, None) for m in methods):
         pytest.skip(f"not exercised: {name} overrides none of {sorted(methods)} (reference answers)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the cases that load the same checkpoint next to each other: a module lists, in ``SAME_CHECKPOINT_CHECKS``,
+    the check functions whose cases with equal parameters (the same callspec id) load the same file, and each such
+    case is moved right after the first one of its id. A loader engine keeps the last checkpoint it started (vLLM:
+    25-80 s a start on 2 CPU cores), so CKPT-LOAD-005[x] then reuses CKPT-LOAD-001[x]'s start. Every other item keeps
+    its place; the order within a group is the collection order."""
+    first: dict[tuple[str, str], int] = {}
+    keys: list[tuple[int, int]] = []
+    for i, it in enumerate(items):
+        module = getattr(it, "module", None)
+        group = getattr(module, "SAME_CHECKPOINT_CHECKS", ())
+        fn = getattr(getattr(it, "function", None), "__name__", None)
+        callspec = getattr(it, "callspec", None)
+        if fn in group and callspec is not None:
+            keys.append((first.setdefault((getattr(module, "__name__", ""), callspec.id), i), i))
+        else:
+            keys.append((i, i))
+    if first:
+        items[:] = [it for _, it in sorted(zip(keys, items), key=lambda pair: pair[0])]

@@ -463,6 +463,11 @@ LOAD_CASES = [pytest.param("fp8", m, id=m) for m in CKPT_MODELS] + \
     [pytest.param("compressed-tensors-channel", m, id=f"compressed-tensors-channel:{m}") for m in CKPT_MODELS]
 
 
+#: the loader checks whose cases of equal parameters load the same checkpoint: conftest runs each CKPT-LOAD-005
+#: case right after the CKPT-LOAD-001 case of the same id, so a loader that keeps its last start (vLLM) starts once
+SAME_CHECKPOINT_CHECKS = ("test_checkpoint_loader_exact", "test_checkpoint_loaded_logprobs_bound")
+
+
 def _case_label(fmt: str, model: str) -> str:
     return model if fmt == "fp8" else f"{fmt.replace('fp8-', '')}:{model}"
 

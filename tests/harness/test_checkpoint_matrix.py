@@ -252,3 +252,27 @@ def test_reference_channel_writer_meets_the_channel_writer_checks(tmp_path):
     assert ids == {"CKPT-WRITE-004", "CKPT-WRITE-005", "CKPT-WRITE-006", "CKPT-CONFIG-002"}
     assert {c["outcome"] for c in report["checks"]} == {"passed"} and len(report["checks"]) == 29
     assert rc == 0
+
+
+def test_loader_cases_of_one_checkpoint_run_next_to_each_other():
+    """conformance/conftest.py orders CKPT-LOAD-005[x] right after CKPT-LOAD-001[x] (the same file, so a loader that
+    keeps its last started checkpoint starts once); the other checks keep their collection order."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
+                        str(root / "conformance" / "test_checkpoint.py"), "-k",
+                        "loader_exact or logprobs_bound or channel_writer_config"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    ids = [ln.split("::", 1)[1] for ln in r.stdout.splitlines() if "::" in ln]
+    assert len(ids) == 18, r.stdout[-2000:] + r.stderr[-2000:]
+    load = [i for i in ids if i.startswith(("test_checkpoint_loader_exact", "test_checkpoint_loaded_logprobs"))]
+    for a, b in zip(load[::2], load[1::2]):
+        assert a.startswith("test_checkpoint_loader_exact[") and b.startswith("test_checkpoint_loaded_logprobs_bound[")
+        assert a.split("[", 1)[1] == b.split("[", 1)[1], (a, b)
+    others = [i for i in ids if i not in load]
+    assert others == ["test_checkpoint_channel_writer_config_exact[tiny-qwen3]",
+                      "test_checkpoint_channel_writer_config_exact[tiny-qwen3-moe]"]
+    assert ids.index(others[0]) < ids.index(load[0])  # defined before the loader checks: still first
