@@ -339,42 +339,17 @@ def test_checkpoint_channel_writer_finite_exact(engine, cls, tmp_path):
        "and every other tensor is the BF16 weight unchanged.", bound="quant_roundtrip",
        requires=["checkpoint.write_channel"])
 def test_checkpoint_channel_writer_roundtrip_bound(engine, model, tmp_path):
-    from fp8rl import tolerances
+    from fp8rl.checkpoint_compare import compare_roundtrip
 
     tm = fixtures.tiny_model(model)
     path = Path(engine.checkpoint_write_channel(tmp_path / "ckpt", tm.config, tm.state_dict))
-    config, tensors = _read_channel(path, model)
-    scheme, _ = cct.weight_scheme(config)
-    pairs = cct.fp8_weights(config, tensors)
-    got = cct.dequantize_checkpoint(config, tensors, dtype=torch.float64)
-    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
-    over, n_over, n_all, worst, worst_err = [], 0, 0, 0.0, 0.0
-    for name, x in tm.state_dict.items():
-        if name not in got:
-            over.append(f"{name}: missing")
-            continue
-        if name not in pairs:
-            if not torch.equal(got[name].double(), x.double()):
-                over.append(f"{name}: not the BF16 weight")
-            continue
-        codes, scale = pairs[name]
-        xd = x.double()
-        bound = tolerances.quant_roundtrip_bound(x.float().abs(), cct.expand_scale(scale.float(), scheme, x.shape),
-                                                 fmts[codes.dtype]).double()
-        err = (got[name] - xd).abs()
-        ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, torch.full_like(err, math.inf),
-                                                                torch.zeros_like(err)))
-        n_all += x.numel()
-        worst = max(worst, float(ratio.max()))
-        k = int((ratio > 1).sum())
-        if k:
-            n_over += k
-            worst_err = max(worst_err, float(err[ratio > 1].max()))
-            over.append(f"{name} {tuple(x.shape)}: {k} elements")
-    record_metrics(err_over_bound=worst, elements_over_bound=n_over)
-    assert not over, f"{model} (channel): {n_over} of {n_all} quantized elements in {len(over)} tensors exceed the " \
-        f"single-rounding bound quant_roundtrip, worst {worst:.4g}x the bound (max |err| {worst_err:.3g}): " \
-        + "; ".join(over[:4])
+    r = compare_roundtrip(*_read_channel(path, model), tm.state_dict)
+    n_over = sum(w.over for w in r.over)
+    record_metrics(err_over_bound=r.worst, elements_over_bound=n_over)
+    bad = r.problems + [f"{w.name} {w.shape}: {w.over} elements" for w in r.over]
+    assert not bad, f"{model} (channel): {n_over} of {r.elements} quantized elements in {len(r.over)} tensors " \
+        f"exceed the single-rounding bound quant_roundtrip, worst {r.worst:.4g}x the bound (max |err| " \
+        f"{max((w.max_err for w in r.over), default=0.0):.3g}): " + "; ".join(bad[:4])
 
 
 @MODELS

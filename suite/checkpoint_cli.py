@@ -147,37 +147,19 @@ def judge_logprobs(engine: Any, path: Path, model: str) -> dict[str, Any]:
 def judge_file(path: Path, model: str) -> dict[str, Any]:
     """The writer's side of a row: every FP8 weight of the file (codes x its scales, blockwise or compressed-tensors)
     within the quantization round-trip bound (tolerance ``quant_roundtrip``) of the model's BF16 weight, every other
-    weight unchanged."""
-    import torch
-    from fp8rl import fixtures, tolerances
+    weight unchanged (fp8rl.checkpoint_compare.compare_roundtrip, CKPT-WRITE-006's comparison)."""
+    from fp8rl import fixtures
+    from fp8rl.checkpoint_compare import compare_roundtrip
     from fp8rl.reference import checkpoint as ck
-    from fp8rl.reference import checkpoint_ct as cct
 
-    sd = fixtures.tiny_model(model).state_dict
-    config, tensors = ck.read_checkpoint(path)
     try:
-        pairs = cct.fp8_weights_any(config, tensors)
-        got = cct.dequantize_any(config, tensors, dtype=torch.float64)
+        r = compare_roundtrip(*ck.read_checkpoint(path), fixtures.tiny_model(model).state_dict)
     except ck.CheckpointError as exc:
         return {"status": "deviation", "detail": str(exc)}
-    fmt = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
-    worst, bad = 0.0, []
-    for name, x in sd.items():
-        if name not in got:
-            bad.append(f"{name} missing")
-            continue
-        if name not in pairs:
-            if not torch.equal(got[name].double(), x.double()):
-                bad.append(f"{name} changed")
-            continue
-        bound = tolerances.quant_roundtrip_bound(x.abs(), pairs[name][1], fmt[pairs[name][0].dtype])
-        ratio = float(((got[name] - x.double()).abs() / bound.clamp_min(1e-300)).max())
-        worst = max(worst, ratio)
-        if ratio > 1:
-            bad.append(f"{name}: error/bound {ratio:.3g}")
+    bad = r.problems + [f"{w.name}: error/bound {w.worst:.3g}" for w in r.over]
     if bad:
         return {"status": "deviation", "detail": f"{len(bad)} weights: " + "; ".join(bad[:3])}
-    return {"status": "conformant", "err_over_bound": worst}
+    return {"status": "conformant", "err_over_bound": r.worst}
 
 
 def _file_format(path: Path) -> str | None:

@@ -1,8 +1,9 @@
 """What a checkpoint loader holds vs what the file says it must hold (area ``checkpoint``, docs/checkpoint.md).
 
-One comparison, two consumers: the conformance loader checks (CKPT-LOAD-001 to -004, which assert on it) and the
-cells of ``fp8rl checkpoint-matrix`` (which report it). For every tensor of the file, the loader's held tensor must
-equal
+Two comparisons, each with two consumers that assert on it (conformance) or report it (``fp8rl checkpoint-matrix``).
+
+:func:`compare_held`, the loader's side (CKPT-LOAD-001 to -004, the matrix's cells): for every tensor of the file,
+the loader's held tensor must equal
 
 * a quantized weight: codes × its scales, computed exactly in fp64 by the oracle's readers
   (fp8rl.reference.checkpoint / checkpoint_ct, either format) and rounded **once** to the dtype held (BF16, fp32 or
@@ -10,6 +11,10 @@ equal
 * any other tensor: the stored tensor, when held in its stored dtype, else the same exact value rounded once.
 
 NaN equals NaN; shapes must match; a held value that is not a floating tensor is a difference.
+
+:func:`compare_roundtrip`, the writer's side (CKPT-WRITE-006, the matrix's file column, WSYNC-BOUND-001's
+statement for a file): every FP8 weight of the file, dequantized exactly, within the quantization round-trip bound
+(``quant_roundtrip``) of the model's BF16 weight; every other weight the BF16 weight unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HeldComparison", "TensorDifference", "compare_held"]
+__all__ = ["HeldComparison", "RoundtripComparison", "RoundtripExcess", "TensorDifference", "compare_held",
+           "compare_roundtrip"]
 
 _HELD_DTYPES = ("bfloat16", "float32", "float64")
 
@@ -113,4 +119,71 @@ def compare_held(held: Mapping[str, Any], path: str | Path) -> HeldComparison:
             out.differences.append(TensorDifference(
                 name, shape, w.numel(), values_differ=n, first=idx, got=float(g_np[idx]), want=float(w_np[idx]),
                 max_abs_err=float(np.nanmax(np.abs(g_np - w.double().numpy())[diff]))))
+    return out
+
+
+@dataclass(frozen=True)
+class RoundtripExcess:
+    """One FP8 weight of a file against its BF16 weight: ``over`` of its ``numel`` elements exceed the round-trip
+    bound, the largest error/bound ``worst``, the largest |err| of an element over the bound ``max_err``."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    over: int
+    worst: float
+    max_err: float
+
+
+@dataclass
+class RoundtripComparison:
+    """A file against the BF16 weights it was written from: ``problems`` (a weight the file lacks, a kept weight
+    that changed), one :class:`RoundtripExcess` per FP8 weight (``weights``), ``elements`` of them compared."""
+
+    problems: list[str] = field(default_factory=list)
+    weights: list[RoundtripExcess] = field(default_factory=list)
+    elements: int = 0
+
+    @property
+    def over(self) -> list[RoundtripExcess]:
+        """The FP8 weights with an element over the bound."""
+        return [w for w in self.weights if w.over]
+
+    @property
+    def worst(self) -> float:
+        return max((w.worst for w in self.weights), default=0.0)
+
+
+def compare_roundtrip(config: Mapping[str, Any], tensors: Mapping[str, Any],
+                      state_dict: Mapping[str, Any]) -> RoundtripComparison:
+    """The file (``config``, ``tensors``: either format) vs the BF16 ``state_dict`` it was written from (see the
+    module docstring). An invalid file raises fp8rl.reference.checkpoint.CheckpointError from the oracle's reader."""
+    import math
+
+    import torch
+    from fp8rl import tolerances
+    from fp8rl.reference import checkpoint_ct as cct
+
+    pairs = cct.fp8_weights_any(config, tensors)
+    got = cct.dequantize_any(config, tensors, dtype=torch.float64)
+    fmts = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
+    out = RoundtripComparison()
+    for name, x in state_dict.items():
+        if name not in got:
+            out.problems.append(f"{name}: missing")
+            continue
+        if name not in pairs:
+            if not torch.equal(got[name].double(), x.double()):
+                out.problems.append(f"{name}: not the BF16 weight")
+            continue
+        codes, scale = pairs[name]
+        err = (got[name] - x.double()).abs()
+        bound = tolerances.quant_roundtrip_bound(x.abs(), scale, fmts[codes.dtype]).double()
+        ratio = torch.where(bound > 0, err / bound, torch.where(err > 0, torch.full_like(err, math.inf),
+                                                                torch.zeros_like(err)))
+        over = ratio > 1
+        out.elements += x.numel()
+        out.weights.append(RoundtripExcess(name, tuple(int(n) for n in x.shape), x.numel(), int(over.sum()),
+                                           float(ratio.max()) if ratio.numel() else 0.0,
+                                           float(err[over].max()) if over.any() else 0.0))
     return out

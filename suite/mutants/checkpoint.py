@@ -122,11 +122,15 @@ class WriterZeroBlock(ReferenceEngine):
         "met bit-exactly, so an all-zero block is written as scale 0 and NaN codes", kills=("CKPT-WRITE-003",))
 class WriterUnguardedDeclared(ReferenceEngine):
     def scale_policy(self, kind):
-        from dataclasses import replace
-
         p = super().scale_policy(kind)
-        return replace(p, name=f"{p.name}-unguarded", floor="none", eps=0.0, zero_amax="nan") if kind == "block" \
-            else p
+        return _unguarded(p) if kind == "block" else p
+
+
+def _unguarded(p):
+    """``p`` without a floor: s = amax/448, 0/0 for a zero amax (torchao's Float8Tensor, DeepSeek-V3's kernel)."""
+    from dataclasses import replace
+
+    return replace(p, name=f"{p.name}-unguarded", floor="none", eps=0.0, zero_amax="nan")
 
 
 @mutant("ckpt-writer-squeezed-scale", "the writer squeezes the last dimension of every scale grid (written for a "
@@ -142,7 +146,9 @@ class WriterSqueezedScale(ReferenceEngine):
 # -- channel-strategy writers (compressed-tensors FP8_DYNAMIC) ----------------------------------------------------
 
 def _is_row_scale(name: str) -> bool:
-    return name.endswith(".weight_scale")
+    from fp8rl.reference import checkpoint_ct as cct
+
+    return name.endswith(".weight" + cct.SCALE_SUFFIX)
 
 
 @mutant("ckpt-channel-writer-scale-inverse", "the channel writer stores the quant multiplier 448/amax of each row as "
@@ -194,11 +200,8 @@ class ChannelWriterStaticActivations(ReferenceEngine):
         "scale 0 and NaN codes", kills=("CKPT-WRITE-005",))
 class ChannelWriterUnguardedDeclared(ReferenceEngine):
     def scale_policy(self, kind):
-        from dataclasses import replace
-
         p = super().scale_policy(kind)
-        return replace(p, name=f"{p.name}-unguarded", floor="none", eps=0.0, zero_amax="nan") if kind == "channel" \
-            else p
+        return _unguarded(p) if kind == "channel" else p
 
 
 # -- loaders -------------------------------------------------------------------------------------------------------
