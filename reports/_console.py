@@ -46,6 +46,9 @@ def print_summary(report: dict, console: Any = None) -> None:
                 + f" of {s['total']}; profile {report['profile']}, seed {report['seed']}, "
                 f"{report['duration_s']:.1f} s)")
     console.print(line)
+    scope = s.get("scope")
+    if scope is not None:
+        print_scope(scope, console)
     if report["kind"] == "mutants":
         muts = report.get("mutants") or []
         killed = sum(1 for m in muts if m["killed"])
@@ -65,3 +68,25 @@ def print_summary(report: dict, console: Any = None) -> None:
             console.print(t, overflow="ellipsis", no_wrap=True)
         if len(bad) > _MAX_LISTED:
             console.print(Text(f"  ... and {len(bad) - _MAX_LISTED} more (see report.md)"))
+
+
+def print_scope(scope: dict, console: Any) -> None:
+    """The run's scope under the verdict: cases that ran the engine's own code, the oracle's inherited code, or were
+    refused; each untested declared capability with why; each capability with refused cases and the first refusal."""
+    from rich.text import Text
+
+    console.print(Text(f"scope: {scope['engine_cases']} cases ran the engine's own code, {scope['oracle_cases']} "
+                       f"only the oracle's inherited code (not counted), {scope['refused_cases']} refused by the "
+                       "engine", style="bold"))
+    for key in scope["untested"]:
+        r = scope["capabilities"][key]
+        why = ("inherited from the oracle" if r["oracle"] else
+               f"every case refused: {r['refusals'][0]}" if r["refused"] == r["cases"] and r["refusals"] else
+               "no case ran the engine's code")
+        console.print(Text(f"  UNTESTED {key}: {r['cases']} cases, {why}", style="bold yellow"),
+                      overflow="ellipsis", no_wrap=True)
+    for key, r in scope["capabilities"].items():
+        if r["refused"] and key not in scope["untested"]:
+            console.print(Text(f"  refused {r['refused']} of {r['cases']} cases of {key}: "
+                               f"{r['refusals'][0] if r['refusals'] else ''}", style="yellow"),
+                          overflow="ellipsis", no_wrap=True)

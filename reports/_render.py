@@ -142,7 +142,11 @@ def render_junit(report: dict) -> bytes:
         ("verdict", s["verdict"]),
         ("verdict_line", verdict_line(report)),
         ("status", report.get("status", "complete")),
-    ] + ([("mutation_score", str(report["mutation_score"]))] if report["kind"] == "mutants" else []):
+    ] + ([("mutation_score", str(report["mutation_score"]))] if report["kind"] == "mutants" else []) + (
+        [("scope_engine_cases", str(s["scope"]["engine_cases"])),
+         ("scope_oracle_cases", str(s["scope"]["oracle_cases"])),
+         ("scope_refused_cases", str(s["scope"]["refused_cases"])),
+         ("scope_untested", ", ".join(s["scope"]["untested"]))] if s.get("scope") else []):
         ET.SubElement(props, "property", {"name": k, "value": clean(v)})
     for c in report["checks"]:
         tc = ET.SubElement(

@@ -115,6 +115,10 @@ def _consistency(report: dict) -> list[str]:
         errs.append(f"$.summary.total: is {summary['total']} but there are {len(checks)} check(s)")
     if summary["verdict"] == "conformant" and (summary["failed"] or summary["error"]):
         errs.append("$.summary.verdict: 'conformant' with failed or error checks")
+    scope = summary.get("scope")
+    if summary["verdict"] == "conformant" and scope is not None and (scope["untested"] or not scope["engine_cases"]):
+        errs.append("$.summary.verdict: 'conformant' with declared capabilities the engine's own code was not tested "
+                    f"on ({', '.join(scope['untested']) or 'no case ran engine code'})")
     if summary["verdict"] == "conformant" and (summary.get("not_run", 0)
                                                or (not checks and report.get("status", "complete") != "complete")):
         errs.append("$.summary.verdict: 'conformant' with checks that did not run")
@@ -169,22 +173,79 @@ def validate(report: dict) -> dict:
     return doc
 
 
-def summarize(checks: list[dict], *, status: str = "complete", partial: bool = False) -> dict:
+#: how many distinct refusal messages a capability's scope row keeps
+_MAX_REFUSALS = 3
+
+
+def scope_of(checks: list[dict], capabilities: dict[str, Any]) -> dict | None:
+    """What a conformance run exercised of the engine's own code, from its checks' ``requires`` / ``exercised`` /
+    ``refused`` fields (None for a report whose checks lack them: written before op tracking, or a mutants report).
+
+    A case is *eligible* for the capabilities it requires when the engine declares every one of them available.
+    Per capability: ``cases`` (eligible cases), ``engine`` (of those, cases that ran the engine's own code),
+    ``oracle`` (cases that ran only code inherited from fp8rl's oracle), ``refused`` (cases the engine refused with
+    Unsupported) and the first refusal messages. ``untested``: capabilities with eligible cases of which none ran
+    the engine's own code; ``inherited``: those of them whose cases ran the oracle's code instead."""
+    if not checks or not any("exercised" in c for c in checks):
+        return None
+    declared = {k for k, v in (capabilities or {}).items() if v is True}
+    caps: dict[str, dict[str, Any]] = {}
+    engine_cases = oracle_cases = refused_cases = 0
+    for c in checks:
+        ran = c.get("exercised", "none")
+        engine_cases += ran == "engine"
+        oracle_cases += ran == "oracle"
+        req = list(c.get("requires") or [])
+        if not all(k in declared for k in req):
+            continue  # skipped for a capability the engine does not declare: not a case of the others either
+        refused = bool(c.get("refused"))
+        refused_cases += refused
+        for key in req:
+            row = caps.setdefault(key, {"cases": 0, "engine": 0, "oracle": 0, "refused": 0, "refusals": []})
+            row["cases"] += 1
+            if ran in ("engine", "oracle"):
+                row[ran] += 1
+            if refused:
+                row["refused"] += 1
+                msg = first_refusal(c.get("message", ""))
+                if msg not in row["refusals"] and len(row["refusals"]) < _MAX_REFUSALS:
+                    row["refusals"].append(msg)
+    untested = sorted(k for k, r in caps.items() if r["engine"] == 0)
+    return {"engine_cases": engine_cases, "oracle_cases": oracle_cases, "refused_cases": refused_cases,
+            "untested": untested, "inherited": [k for k in untested if caps[k]["oracle"] > 0],
+            "capabilities": dict(sorted(caps.items()))}
+
+
+def first_refusal(message: str) -> str:
+    """The engine's refusal text of a refused case's skip message (one line, bounded)."""
+    line = (message or "").splitlines()[0] if message else ""
+    return line.removeprefix("refused by the engine: ")[:200]
+
+
+def summarize(checks: list[dict], *, status: str = "complete", partial: bool = False,
+              capabilities: dict[str, Any] | None = None) -> dict:
     """The ``summary`` object for a list of checks.
 
     Verdict: ``non-conformant`` if a check failed or errored (a failure is a failure, however the run ended); else
-    ``incomplete`` if a planned check did not run, or nothing was planned before the run stopped (``status``); else
-    ``conformant``.
+    ``incomplete`` if a planned check did not run, or nothing was planned before the run stopped (``status``), or —
+    for a conformance run with op tracking (``capabilities`` given and checks carrying ``exercised``) — no case ran
+    the engine's own code, or a capability the engine declares available ran none of its cases on the engine's own
+    code (``scope.untested``: refused, inherited from the oracle, or skipped); else ``conformant``.
     ``known_deviations`` counts the vendor-xfailed checks; ``partial`` marks a run restricted by --area / -k."""
     counts = Counter(c["outcome"] for c in checks)
     s: dict[str, Any] = {o: counts.get(o, 0) for o in OUTCOMES}
     s["total"] = len(checks)
     s["known_deviations"] = s["xfailed"]
     s["partial"] = bool(partial)
+    scope = scope_of(checks, capabilities) if capabilities is not None else None
+    if scope is not None:
+        s["scope"] = scope
     if s["failed"] or s["error"]:
         s["verdict"] = "non-conformant"
     elif s["not_run"] or (status != "complete" and not checks):
         s["verdict"] = "incomplete"  # a signal after the last check (while reporting) costs nothing
+    elif scope is not None and (scope["untested"] or not scope["engine_cases"]):
+        s["verdict"] = "incomplete"  # no certificate without testing
     else:
         s["verdict"] = "conformant"
     return s
@@ -200,8 +261,20 @@ def verdict_line(report: dict) -> str:
         n = s["known_deviations"]
         text += f" with {n} known deviation{'s' if n != 1 else ''}"
     status = report.get("status", "complete")
+    scope = s.get("scope")
     if status != "complete" or s.get("not_run"):
         text += f" ({status}: {s.get('not_run', 0)} of {s['total']} checks did not run)"
+    elif s["verdict"] == "incomplete" and scope is not None:
+        if not scope["engine_cases"]:
+            text += " (untested: no check ran the engine's own code)"
+        else:
+            n = len(scope["untested"])
+            text += (f" (untested: {n} declared capabilit{'y' if n == 1 else 'ies'} ran no case of the engine's own "
+                     f"code: {', '.join(scope['untested'][:6])}{' …' if n > 6 else ''})")
+    if scope is not None and scope["oracle_cases"]:
+        text += f" · {scope['oracle_cases']} cases ran only the oracle's inherited code (not counted)"
+    if scope is not None and scope["refused_cases"]:
+        text += f" · {scope['refused_cases']} cases refused by the engine"
     if s.get("partial"):
         sel = report.get("selection") or {}
         what = []

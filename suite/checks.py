@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 import torch
 from fp8rl import capabilities, inputspace, journal, tolerances
-from fp8rl.engine import Engine, EngineError, Unsupported, capability_reason
+from fp8rl.engine import ORACLE_CALLS, Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 # ----------------------------------------------------------------------------------------------------------------
 # check metadata
+
+#: the start of a skip reason that says the engine refused a case of a capability it declares (Unsupported)
+REFUSED_PREFIX = "refused by the engine: "
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def required_capabilities(spec: CheckSpec, params: dict[str, Any]) -> list[str]:
 
 def require(engine: Engine, *keys: str) -> None:
     """Skip the running check (with the engine's reason) unless every capability in ``keys`` is available."""
+    record_requires(keys)
     for key in keys:
         reason = capability_reason(engine, key)
         if reason is not None:
@@ -171,6 +175,125 @@ def record_section(name: str, data: dict) -> None:
 # guarded engine: turns misbehaviour into EngineError (→ outcome "error")
 
 
+#: modules whose classes are fp8rl's own oracle: an op an engine inherits unchanged from a class defined here runs
+#: the oracle, not the engine (reported as such and not part of the engine's verdict)
+ORACLE_MODULES = ("fp8rl.engines.reference", "fp8rl.reference")
+#: engine methods that declare numerics or describe the engine (not ops: calling them executes no kernel)
+DECLARATIONS = frozenset({"cast_overflow", "scale_policy", "kv_policy", "mx_policy", "capabilities", "version",
+                          "input_limits", "instrument_notes", "describe", "checkpoint_layout_reason"})
+#: ops whose first argument is the engine's own opaque handle (the engine may change it; it is not the caller's)
+HANDLE_OPS = frozenset({"rollout", "rollout_logits", "update_weights"})
+
+
+def _is_oracle_module(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in ORACLE_MODULES)
+
+
+def op_origin(engine: Any, op: str) -> str:
+    """Whose code ``engine.op`` runs: ``"engine"`` (defined by the engine's own classes), ``"oracle"`` (inherited
+    unchanged from a class of fp8rl's oracle, :data:`ORACLE_MODULES`, by an engine that is not the oracle itself)
+    or ``"protocol"`` (the protocol's default, which raises Unsupported)."""
+    cls = type(engine)
+    for klass in cls.__mro__:
+        if op in vars(klass):
+            if klass.__module__ == "fp8rl.engine":
+                return "protocol"
+            if _is_oracle_module(klass.__module__) and not _is_oracle_module(cls.__module__):
+                return "oracle"
+            return "engine"
+    return "engine"  # an instance attribute or __getattr__: the engine's own
+
+
+#: the running check's record of the engine ops it called (set by the plugin for a check's setup, call and
+#: teardown): op → {"engine": n, "oracle": n, "refused": [messages]}
+CURRENT_OPS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fp8rl_ops", default=None)
+
+
+def record_op(op: str, origin: str, refused: str | None = None) -> None:
+    """Count one call of ``op`` (its :func:`op_origin`) in the running check's record; ``refused``: the engine
+    raised Unsupported with this message."""
+    store = CURRENT_OPS.get()
+    if store is None or op in DECLARATIONS:
+        return
+    ops = store.setdefault("ops", {})
+    row = ops.setdefault(op, {"engine": 0, "oracle": 0, "refused": []})
+    if refused is not None:
+        row["refused"].append(refused[:300])
+    elif origin in ("engine", "oracle"):
+        row[origin] += 1
+
+
+def record_requires(keys: Sequence[str]) -> None:
+    """The capability keys the running check case needs (its ``requires=``, or a ``require()`` in its body)."""
+    store = CURRENT_OPS.get()
+    if store is not None:
+        req = store.setdefault("requires", [])
+        req.extend(k for k in keys if k not in req)
+
+
+class InputMutated(AssertionError):
+    """An engine op wrote into a tensor its caller passed (invariant INV-INPUT-001): a failed check."""
+
+
+def _tensors_in(obj: Any, path: str, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a caller hands an op inside ``obj``: tensors, dict values, list/tuple items and the fields of
+    the oracle's dataclasses (QuantizedTensor, KVCache, KVScales, MXTensor, ...), three levels deep."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.device.type == "meta":
+            return []
+        return [(path, obj)]
+    if depth >= 3:
+        return []
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _tensors_in(v, f"{path}[{k!r}]", depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += _tensors_in(v, f"{path}[{i}]", depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and \
+            _is_oracle_module(type(obj).__module__):
+        for f in dataclasses.fields(obj):
+            out += _tensors_in(getattr(obj, f.name, None), f"{path}.{f.name}", depth + 1)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def snapshot_inputs(op: str, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(argument path, the caller's tensor, a copy of it) for every tensor handed to ``op``."""
+    named: list[tuple[str, Any]] = [(f"argument {i}", a) for i, a in enumerate(args)
+                                    if not (i == 0 and op in HANDLE_OPS)]
+    named += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    out = []
+    for name, value in named:
+        for path, t in _tensors_in(value, name):
+            out.append((path, t, t.detach().clone()))
+    return out
+
+
+def changed_input(snapshot: list[tuple[str, torch.Tensor, torch.Tensor]]) -> str | None:
+    """None if every tensor still holds its bytes, shape and dtype; else where the first change is."""
+    for path, t, before in snapshot:
+        if t.dtype != before.dtype or tuple(t.shape) != tuple(before.shape):
+            return f"{path}: {before.dtype} {tuple(before.shape)} became {t.dtype} {tuple(t.shape)}"
+        if t.numel() == 0:
+            continue
+        a, b = _bytes(before), _bytes(t)
+        if not torch.equal(a, b):
+            flat = (a.view(-1, before.element_size()) != b.view(-1, before.element_size())).any(dim=1)
+            i = int(flat.nonzero()[0, 0])
+            idx = tuple(int(v) for v in np.unravel_index(i, tuple(before.shape))) if before.dim() else ()
+            old, new = before.reshape(-1)[i].item(), t.detach().reshape(-1)[i].item()
+            return (f"{path} (shape {tuple(before.shape)}, {before.dtype}): {int(flat.sum())} element(s) changed, "
+                    f"first at {idx}: {old!r} became {new!r}")
+    return None
+
+
 @dataclass
 class GuardedEngine:
     """Wraps an engine; validates every op's output (type, shape, dtype, NaN) and wraps its exceptions."""
@@ -204,19 +327,35 @@ class GuardedEngine:
 
     def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
         record_coverage(op, inputspace.classify(op, args, kwargs))  # which input classes the suite exercised
+        origin = op_origin(self.inner, op)
+        snapshot = snapshot_inputs(op, args, kwargs) if op not in DECLARATIONS else []
         journal.enter_op(op)  # if this process dies inside the op, the report names it (fp8rl.journal)
+        refused = False
+        oracle_calls = ORACLE_CALLS.set(set())
         try:
             out = getattr(self.inner, op)(*args, **kwargs)
         except Unsupported as exc:
-            pytest.skip(f"{op}: {exc}")
+            if op in DECLARATIONS:  # a declaration that says "not implemented": skipped with the engine's reason
+                pytest.skip(f"{op}: {exc}")
+            refused = True
+            record_op(op, origin, refused=f"{op}: {exc}")
+            pytest.skip(f"{REFUSED_PREFIX}{op}: {exc}")
         except (EngineError, pytest.skip.Exception):
             raise
         except Exception as exc:  # noqa: BLE001 - any engine exception is an engine error
             raise EngineError(f"{self.inner.name}.{op} raised {type(exc).__name__}: {exc}") from exc
         finally:
             journal.leave_op()
+            delegated = (id(self.inner), op) in (ORACLE_CALLS.get() or ())
+            ORACLE_CALLS.reset(oracle_calls)
+            if not refused:  # the engine's (or the oracle's) code ran, whatever it returned
+                record_op(op, "oracle" if delegated and origin == "engine" and
+                          not _is_oracle_module(type(self.inner).__module__) else origin)
         if out is None:
             raise EngineError(f"{self.inner.name}.{op} returned None")
+        changed = changed_input(snapshot)
+        if changed is not None:
+            raise InputMutated(f"INV-INPUT-001: {self.inner.name}.{op} wrote into its caller's tensor {changed}")
         return out
 
     def cast_overflow(self, fmt: str) -> str:

@@ -36,13 +36,15 @@ def cmd_engines(args: argparse.Namespace) -> int:
     for name in names:
         try:
             eng = load_engine(name)
-            rows.append({"name": name, "version": eng.version(), "description": getattr(eng, "description", ""),
-                         "capabilities": {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}})
+            caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
+            rows.append({"name": name, "version": eng.version(), "description": own_description(eng),
+                         "capabilities": caps, "inherited": inherited_capabilities(eng, caps)})
         except EngineLoadError as exc:
             rows.append({"name": name, "version": "-", "description": "", "capabilities": {}, "error": str(exc)})
+    failed = EXIT_USAGE if any("error" in r for r in rows) else EXIT_OK
     if args.json:
         print(json.dumps(rows, indent=2))
-        return EXIT_OK
+        return failed
     for row in rows:
         table = Table(title=escape(f"{row['name']}  ({row['version']})"), title_justify="left", show_lines=False)
         table.add_column("area")
@@ -53,13 +55,40 @@ def cmd_engines(args: argparse.Namespace) -> int:
         declared: dict[str, Any] = row["capabilities"]
         for key, cap in CAPABILITIES.items():  # every key of the table, area by area
             status = declared.get(key)
-            shown = ("[green]available[/green]" if status is True else "[dim]not declared[/dim]" if status is None
+            shown = ("[yellow]available, inherited from fp8rl's oracle (not a test of this engine)[/yellow]"
+                     if status is True and key in row.get("inherited", ()) else
+                     "[green]available[/green]" if status is True else "[dim]not declared[/dim]" if status is None
                      else f"[yellow]no:[/yellow] {escape(str(status))}")
             table.add_row(cap.area, key, shown)
         console.print(table)
         if row["description"]:
             console.print(f"  {escape(str(row['description']))}\n")
-    return EXIT_OK
+    return failed
+
+
+def own_description(engine: Any) -> str:
+    """The engine's ``description``, unless it only inherits the oracle's (a ``ReferenceEngine`` subclass that
+    sets none must not be listed as "fp8rl's own oracle")."""
+    from fp8rl.checks import op_origin
+
+    text = str(getattr(engine, "description", "") or "")
+    return "" if op_origin(engine, "description") == "oracle" else text
+
+
+def inherited_capabilities(engine: Any, caps: dict[str, Any]) -> list[str]:
+    """The capabilities the engine declares available whose every op it inherits unchanged from fp8rl's oracle."""
+    from fp8rl.capabilities import CAPABILITIES
+    from fp8rl.checks import DECLARATIONS, op_origin
+
+    out = []
+    for key, status in caps.items():
+        cap = CAPABILITIES.get(key)
+        if status is not True or cap is None:
+            continue
+        ops = [op for op in cap.ops if op not in DECLARATIONS and not op.startswith("_") and hasattr(engine, op)]
+        if ops and all(op_origin(engine, op) == "oracle" for op in ops):
+            out.append(key)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ bit-exact agreement with the oracle *under the declared policy*.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -27,6 +28,18 @@ from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
 CapabilityMap = dict[str, "bool | str"]
+
+
+#: during one guarded op call, the (engine id, op) pairs whose implementation by fp8rl's oracle ran: an engine op
+#: that delegates to the oracle's own (``super().quantize(...)`` in a ReferenceEngine subclass) ran the oracle
+ORACLE_CALLS: contextvars.ContextVar[set | None] = contextvars.ContextVar("fp8rl_oracle_calls", default=None)
+
+
+def note_oracle_call(engine: object, op: str) -> None:
+    """Called by the oracle engine's ops (fp8rl.engines.reference): its implementation of ``op`` ran on ``engine``."""
+    calls = ORACLE_CALLS.get()
+    if calls is not None:
+        calls.add((id(engine), op))
 
 
 class Unsupported(Exception):
@@ -381,7 +394,7 @@ def checkpoint_layout_reason(engine: Engine, layout: str) -> str | None:
     return reason if reason is not None or hook is None else hook(layout)
 
 
-__all__ = ["ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
+__all__ = ["ORACLE_CALLS", "note_oracle_call", "ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
            "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "checkpoint_format_reason",
            "CHECKPOINT_LAYOUTS", "checkpoint_layout_reason",
            "import_failure", "per_tensor_kv_input"]

@@ -8,8 +8,12 @@
                           can't be written, or an engine that could not be loaded (its factory, ``version()``,
                           ``capabilities()`` or declared numerics raised)
  3   ``EXIT_SUSPECT``     ``perf gate``: the measurement itself is not trustworthy (too noisy, too few pairs)
- 4   ``EXIT_INCOMPLETE``  the run did not finish and nothing failed: interrupted (SIGINT/SIGTERM), or the runner
-                          died; the report says ``incomplete`` and lists the checks that did not run
+ 4   ``EXIT_INCOMPLETE``  nothing failed, but the verdict can't certify the engine: the run did not finish
+                          (interrupted by SIGINT/SIGTERM, or the runner died; the checks that did not run are listed),
+                          or it did not test the engine's own code — a capability the engine declares available ran
+                          none of its cases on the engine's own code (every case refused with Unsupported, inherited
+                          unchanged from fp8rl's oracle, or skipped), or no check ran engine code at all (the report's
+                          ``summary.scope`` names each such capability)
 ===  ===================  ===================================================================================
 """
 

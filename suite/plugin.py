@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from fp8rl import journal as J
-from fp8rl.checks import CURRENT_METRICS, CheckSpec
+from fp8rl.checks import CURRENT_METRICS, CURRENT_OPS, REFUSED_PREFIX, CheckSpec
 from fp8rl.engine import EngineError
 from fp8rl.runner import MUTANT_MATRICES
 from fp8rl.runner import RUN_PROFILES as PROFILES  # run profile → hypothesis profile
@@ -358,6 +358,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Record, for every phase of a check (its fixtures included), the engine ops it called, whose code each ran
+    (the engine's own or the oracle's it inherits, :func:`fp8rl.checks.op_origin`), the cases the engine refused,
+    and the capabilities the case needs: the report's scope (which declared capabilities the engine's own code was
+    tested on) is built from them."""
+    if _item_spec(item) is None:
+        yield
+        return
+    store: dict = {}
+    item.user_properties.append(("fp8rl_scope", store))
+    token = CURRENT_OPS.set(store)
+    try:
+        yield
+    finally:
+        CURRENT_OPS.reset(token)
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     if _item_spec(item) is None:
         yield
@@ -464,6 +482,10 @@ class _RunState:
             return
         entry = self.entry(report.nodeid, meta)
         entry["duration_s"] += float(report.duration or 0.0)
+        scope = props.get("fp8rl_scope")
+        if isinstance(scope, dict):
+            entry["ops"] = {op: dict(row) for op, row in (scope.get("ops") or {}).items()}
+            entry["requires"] = list(scope.get("requires") or [])
         if "fp8rl_metrics" in props:
             metrics = dict(props["fp8rl_metrics"])
             entry["sections"] = metrics.pop("_sections", {})
@@ -484,6 +506,7 @@ class _RunState:
         elif report.when == "setup":
             if report.skipped:
                 entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
+                entry["refused"] = entry["message"].startswith(REFUSED_PREFIX)
             elif report.failed:
                 entry["outcome"], entry["message"] = "error", _message(report)
         elif report.when == "call":
@@ -491,6 +514,7 @@ class _RunState:
                 entry["outcome"], entry["message"] = "xfailed", f"{wasxfail}\n{_message(report)}".strip()
             elif report.skipped:
                 entry["outcome"], entry["message"] = "skipped", _skip_reason(report)
+                entry["refused"] = entry["message"].startswith(REFUSED_PREFIX)
             elif report.passed and wasxfail is not None:
                 entry["outcome"], entry["message"] = "xpassed", str(wasxfail)
             elif report.passed:

@@ -42,8 +42,20 @@ def describe_engine(name: str) -> dict[str, Any]:
 
     eng = load_engine(name)
     caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
+    from fp8rl.registry import EngineLoadError, return_type_problems
+
+    wrong = return_type_problems(eng, caps)
+    if wrong:
+        raise EngineLoadError(f"engine {name!r}: an op returns the wrong type (a tiny call at load): " + "; ".join(wrong))
     out = {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
            "capabilities": caps}
+    from fp8rl.policy_lint import lint_engine
+
+    lint = lint_engine(eng, caps)  # its errors made load_engine fail; what is left is accepted, and reported
+    if lint.deviations:
+        out["deviations"] = [dict(d) for d in lint.deviations]
+    if lint.warnings:
+        out["policy_warnings"] = list(lint.warnings)
     notes = [str(n) for n in eng.instrument_notes()]
     if notes:
         out["notes"] = notes
@@ -87,6 +99,57 @@ def coverage_section(exercised: dict[str, dict[str, set[str]]], limits: dict[str
             "table": {"columns": ["op", "class", "checks", "check ids", "status"], "rows": rows}}
 
 
+def case_scope(result: dict[str, Any]) -> dict[str, Any]:
+    """A check case's scope fields (report.json ``requires``, ``exercised``, ``refused``) from the plugin's record of
+    the ops it called: ``exercised`` is ``engine`` if one op ran the engine's own code, ``oracle`` if every op it
+    called was inherited from fp8rl's oracle, ``none`` if it called none."""
+    ops = result.get("ops") or {}
+    if "ops" not in result and "requires" not in result:
+        return {}  # a result recorded without op tracking (an old journal): no claim either way
+    n_engine = sum(int(row.get("engine", 0)) for row in ops.values())
+    n_oracle = sum(int(row.get("oracle", 0)) for row in ops.values())
+    return {"requires": sorted(result.get("requires") or []),
+            "exercised": "engine" if n_engine else "oracle" if n_oracle else "none",
+            "refused": bool(result.get("refused"))}
+
+
+def scope_section(checks: list[dict], capabilities: dict[str, Any]) -> dict[str, Any] | None:
+    """The report section "scope": per capability the engine declares available and this run had cases of, how
+    many cases ran the engine's own code, how many only the oracle's inherited code, how many the engine refused."""
+    from fp8rl.reports._schema import scope_of
+
+    scope = scope_of(checks, capabilities)
+    if scope is None:
+        return None
+    rows = []
+    for key, r in scope["capabilities"].items():
+        status = ("tested" if r["engine"] else "UNTESTED: inherited from the oracle" if r["oracle"]
+                  else "UNTESTED: every case refused" if r["refused"] == r["cases"] else "UNTESTED: no case ran")
+        rows.append([key, r["cases"], r["engine"], r["oracle"], r["refused"], status, " | ".join(r["refusals"])])
+    text = (f"{scope['engine_cases']} cases ran the engine's own code; {scope['oracle_cases']} ran only code it "
+            f"inherits from fp8rl's oracle (reported, not part of its verdict); {scope['refused_cases']} were refused "
+            "by the engine (Unsupported for a capability it declares). A declared capability none of whose cases ran "
+            "the engine's own code makes the verdict incomplete.")
+    return {"title": "scope: what ran the engine's own code", "text": text,
+            "table": {"columns": ["capability", "cases", "engine code", "oracle (inherited)", "refused", "status",
+                                  "refusals"], "rows": rows}}
+
+
+def deviations_section(desc: dict[str, Any]) -> dict[str, Any]:
+    """The report section "declared deviations from single rounding" (fp8rl.policy_lint): each declared policy that
+    rounds twice, the extra error it allows, and the lint's warnings. The checks judge the engine under these
+    declarations; this section says what they cost."""
+    rows = [[d.get("kind", ""), d.get("policy", ""), f"{d.get('field')}={d.get('value')!r}",
+             ", ".join(d.get("dtypes", [])), d.get("what", ""), d.get("extra_error", "")]
+            for d in desc.get("deviations", [])]
+    text = ("The engine declares numerics that round x/s twice (to the input dtype, then to FP8). The checks accept "
+            "them as declared; each row states the extra error such a declaration allows.")
+    if desc.get("policy_warnings"):
+        text += " Policy lint warnings: " + " | ".join(desc["policy_warnings"])
+    return {"title": "declared deviations from single rounding", "text": text,
+            "table": {"columns": ["kind", "policy", "declared", "input dtypes", "what", "extra error"], "rows": rows}}
+
+
 def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: int, started_at: str,
                     duration_s: float, command: list[str], checks: list[dict], warnings: list[str],
                     sections: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -107,7 +170,8 @@ def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: in
         "started_at": started_at,
         "duration_s": round(float(duration_s), 3),
         "command": [str(c) for c in command],
-        "summary": summarize(checks, status=extra.get("status", "complete"), partial=bool(extra.get("selection"))),
+        "summary": summarize(checks, status=extra.get("status", "complete"), partial=bool(extra.get("selection")),
+                             capabilities=engine.get("capabilities") if kind == "conformance" else None),
         "checks": checks,
         "warnings": list(warnings),
         "sections": sections,
@@ -139,6 +203,7 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
                                    "metrics")}
             c["duration_s"] = round(float(r["duration_s"]), 6)
             c["kills"] = sorted(kills.get(r["id"], []))
+            c.update(case_scope(r))
             checks.append(c)
             sections.update(r.get("sections", {}))
             for op, classes in (r.get("coverage") or {}).items():
@@ -147,6 +212,11 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))
         desc = (descriptions or {}).get(name) or describe_engine(name)
         sections["coverage"] = coverage_section(exercised, desc.get("input_limits", {}), {c["area"] for c in checks})
+        scope = scope_section(checks, desc.get("capabilities", {}))
+        if scope is not None:
+            sections["scope"] = scope
+        if desc.get("deviations") or desc.get("policy_warnings"):
+            sections["declared_deviations"] = deviations_section(desc)
         extra: dict[str, Any] = {"status": status}
         if status_detail:
             extra["status_detail"] = status_detail
@@ -200,12 +270,14 @@ def pytest_args(engines: list[str], *, profile: str, out_dir: Path, seed: int = 
     continues (timeouts use pytest-timeout's thread method, which ends a hung worker). ``isolation=False`` runs the
     checks in the pytest process itself (faster start; a crash then ends the run, and the supervisor rebuilds
     the report from the journal)."""
+    # -qq: pytest prints no summary line of its own (it counts an engine error as "failed", a refusal as "skipped"):
+    # the one set of counts on screen is fp8rl's table
     # the run's pytest reads no configuration of the directory it is started from: no ini file (-c devnull), its
     # rootdir is the package holding the checks (node ids read test_*.py::…, installed or editable), and no
     # conftest.py is discovered (a user's project conftest, or this repository's tests/conftest.py, must not change a
     # conformance run): the checks' own conftest is loaded as a plugin
     args = ["--pyargs", "fp8rl.conformance", "-c", os.devnull, "--rootdir", str(conformance_package_dir()),
-            "--noconftest", "-p", "fp8rl.conformance.conftest", "-p", "no:cacheprovider", "-q", "--no-header",
+            "--noconftest", "-p", "fp8rl.conformance.conftest", "-p", "no:cacheprovider", "-qq", "--no-header",
             "-o", "addopts=", "-o", "console_output_style=classic", "-W", "ignore::pytest.PytestAssertRewriteWarning",
             "--fp8rl-profile", profile, "--fp8rl-report-dir", str(out_dir), "--fp8rl-seed", str(seed),
             f"--hypothesis-seed={seed}"]  # the hypothesis checks' examples follow the run seed (strategies.seed_profile)

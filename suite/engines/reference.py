@@ -323,3 +323,32 @@ class ReferenceEngine(Engine):
         handle.update_weights(state_dict, synced=synced)
         return handle
 
+
+
+def _noting_oracle_call(fn):
+    """Wrap an op of the oracle engine so that a guarded call knows the oracle's code ran (fp8rl.engine.ORACLE_CALLS):
+    a subclass's op that delegates to it (``super().quantize(...)``) is reported as the oracle's, not the engine's."""
+    import functools
+
+    from fp8rl.engine import note_oracle_call
+
+    @functools.wraps(fn)
+    def op(self, *args, **kwargs):
+        note_oracle_call(self, fn.__name__)
+        return fn(self, *args, **kwargs)
+
+    return op
+
+
+def _note_oracle_ops(cls: type) -> None:
+    from fp8rl.engine import Engine
+
+    protocol = {n for k in Engine.__mro__ if k.__module__ == "fp8rl.engine" for n in vars(k) if not n.startswith("_")}
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("_") and name in protocol | {
+                "checkpoint_write", "checkpoint_write_channel", "checkpoint_load", "checkpoint_score",
+                "checkpoint_attention_scales", "proximal_logp", "decoupled_loss"}:
+            setattr(cls, name, _noting_oracle_call(value))
+
+
+_note_oracle_ops(ReferenceEngine)

@@ -121,8 +121,7 @@ def test_conformance_torch_passes_or_documented_xfails(tmp_path):
 @pytest.mark.parametrize("factory, needle", [
     ("Raises", "raised RuntimeError: kernel exploded"),
     ("WrongShape", "expected shape"),
-    ("WrongDtype", "expected dtype torch.uint8"),
-    ("ReturnsNone", "returned None"),
+    ("WrongDtypeForBf16Input", "expected dtype torch.uint8"),
     ("NanScale", "non-finite scales"),
 ])
 def test_misbehaving_engine_gives_error_outcome_and_report(tmp_path, factory, needle):
@@ -214,15 +213,15 @@ def test_entry_point_engine_is_loaded_by_name(tmp_path):
     dist = tmp_path / "vendor_engine-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendor-engine\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[fp8rl.engines]\nvendor-x = support.bad_engines:WrongDtype\n")
+    (dist / "entry_points.txt").write_text("[fp8rl.engines]\nvendor-x = support.bad_engines:WrongShape\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "tests")]))
     r = subprocess.run([sys.executable, "-m", "fp8rl", "conformance", "--engine", "vendor-x", "--area", "formats",
                         "-k", "sweep",
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     rep = _report(tmp_path / "out")
-    assert rep["engine"]["name"] == "wrong-dtype"
-    assert any("expected dtype torch.uint8" in c["message"] for c in rep["checks"] if c["outcome"] == "error")
+    assert rep["engine"]["name"] == "wrong-shape"
+    assert any("expected shape" in c["message"] for c in rep["checks"] if c["outcome"] == "error")
 
 
 def test_gpu_per_worker_mapping_round_robin():
@@ -283,13 +282,29 @@ def test_instrument_notes_named_in_every_report_format(tmp_path):
     assert note in (tmp_path / "report.html").read_text()
 
 
-def test_round_bf16_wrong_dtype_is_an_error(tmp_path):
-    r = fp8rl("conformance", "--engine", "support.bad_engines:Bf16WrongDtype", "--area", "formats", "-k", "bf16",
-              "--out", str(tmp_path))
-    assert r.returncode == 1, r.stdout + r.stderr
-    checks = {c["id"]: c for c in _report(tmp_path)["checks"] if c["id"] == "CAST-BF16-001"}
-    assert checks["CAST-BF16-001"]["outcome"] == "error"
-    assert "expected dtype torch.bfloat16" in checks["CAST-BF16-001"]["message"]
+@pytest.mark.parametrize("factory, needle", [
+    ("WrongDtype", "cast(<torch.float32 (2, 128)>, 'e4m3fn') returned a torch.int32 tensor, expected torch.uint8"),
+    ("ReturnsNone", "cast(<torch.float32 (2, 128)>, 'e4m3fn') returned NoneType, expected a torch.uint8"),
+    ("Bf16WrongDtype", "round_bf16(<torch.float32 (2, 128)>) returned a torch.float16 tensor, expected torch.bfloat16"),
+    ("QuantizeReturnsTuple", "returned tuple, expected fp8rl.reference.quant.QuantizedTensor"),
+    ("QuantizeFp8Codes", "codes: expected a torch.uint8 tensor, got torch.float8_e4m3fn"),
+])
+def test_wrong_return_type_is_one_load_error(tmp_path, factory, needle):
+    """An op that returns the wrong type on any input (a tiny call at load shows it) is one load error, exit 2, not
+    one error per check."""
+    r = fp8rl("conformance", "--engine", f"support.bad_engines:{factory}", "--out", str(tmp_path))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert needle in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_wrong_protocol_signature_is_one_load_error(tmp_path):
+    r = fp8rl("conformance", "--engine", "support.bad_engines:WrongSignature", "--out", str(tmp_path))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "WrongSignature.quantize(self, x) can't be called as the protocol's quantize(self, x: 'torch.Tensor', " \
+           "granularity: 'Granularity') -> 'QuantizedTensor'" in out, out[-2000:]
+    assert out.count("can't be called") == 1
 
 
 def test_engine_given_twice_is_a_usage_error(tmp_path):

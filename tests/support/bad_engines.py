@@ -28,6 +28,39 @@ class WrongDtype(ReferenceEngine):
         return super().cast(x, fmt).to(torch.int32)
 
 
+class WrongDtypeForBf16Input(ReferenceEngine):
+    """Right on fp32 input (so it loads), wrong dtype on bf16 input: a per-check error."""
+
+    name = "wrong-dtype-bf16-input"
+
+    def cast(self, x, fmt):
+        out = super().cast(x, fmt)
+        return out.to(torch.int32) if x.dtype == torch.bfloat16 else out
+
+
+class QuantizeReturnsTuple(ReferenceEngine):
+    name = "quantize-returns-tuple"
+
+    def quantize(self, x, granularity):
+        q = super().quantize(x, granularity)
+        return q.codes, q.scale
+
+
+class QuantizeFp8Codes(ReferenceEngine):
+    name = "quantize-fp8-codes"
+
+    def quantize(self, x, granularity):
+        q = super().quantize(x, granularity)
+        return QuantizedTensor(q.codes.view(torch.float8_e4m3fn), q.scale, granularity, q.policy)
+
+
+class WrongSignature(ReferenceEngine):
+    name = "wrong-signature"
+
+    def quantize(self, x):  # the protocol's quantize takes (x, granularity)
+        raise AssertionError("never called")
+
+
 class ReturnsNone(ReferenceEngine):
     name = "returns-none"
 
