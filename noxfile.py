@@ -103,8 +103,8 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          env={"FP8RL_HYPOTHESIS_PROFILE": "ci"},
          description="the suite's own tests and the main job (torch engine)"),
     Tier("verl", "test,verl,triton", no_deps=("verl==0.9.1",),
-         conformance=(Conformance("verl", ("correction", "weight_sync")),
-                      Conformance("verl-triton", ("quantization", "weight_sync"), timeout=INTERPRETER_TIMEOUT)),
+         conformance=(Conformance("verl", ("correction", "weight_sync", "invariants")),
+                      Conformance("verl-triton", ("quantization", "weight_sync", "invariants"), timeout=INTERPRETER_TIMEOUT)),
          pytest=((*_ENGINE_TEST, "tests/engines/verl/test_verl_engine.py"),
                  (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/verl/test_peers_verl.py", "tests/engines/base/test_peers_transformers.py")),
@@ -117,12 +117,12 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                       # its block quantizer is torch.compile'd: inductor compiles each new input shape (2-19 s a
                       # shape on a quiet 2-core machine; QUANT-EXACT-001[block] 12.5 s quiet, past 60 s beside the
                       # other CI jobs, where its worker was ended)
-                      Conformance("vllm", ("formats", "quantization", "gemm", "kv"), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("vllm-triton", ("quantization", "gemm"), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("vllm-triton-colmajor", ("quantization",), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("vllm-triton-ue8m0", ("quantization",), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("compressed-tensors-mx", ("quantization",)),
-                      Conformance("vllm-mx", ("quantization", "gemm"))),
+                      Conformance("vllm", ("formats", "quantization", "gemm", "kv", "invariants"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("vllm-triton", ("quantization", "gemm", "invariants"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("vllm-triton-colmajor", ("quantization", "invariants"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("vllm-triton-ue8m0", ("quantization", "invariants"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("compressed-tensors-mx", ("quantization", "invariants")),
+                      Conformance("vllm-mx", ("quantization", "gemm", "invariants"))),
          # its checkpoint loading: one vllm.LLM start per checkpoint (25-60 s each); on a CPU without AMX only the
          # compressed-tensors channel layout and the per-tensor finding run (the block layouts are skipped), with
          # AMX all of them (docs/checkpoint.md)
@@ -140,23 +140,23 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          # inherits it: per commit its formats area shows the deviations stand (xfails, an xpass if fixed); its
          # quantization area (202 checks, 4.5 min on CI's 2 cores, every deviation the cast's) runs nightly
          conformance=(Conformance("triton-interpret", ("formats",), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("triton-interpret-faithful", ("formats", "quantization"), timeout=INTERPRETER_TIMEOUT),
-                      Conformance("sglang", ("formats", "quantization", "gemm", "kv"), timeout=INTERPRETER_TIMEOUT)),
+                      Conformance("triton-interpret-faithful", ("formats", "quantization", "invariants"), timeout=INTERPRETER_TIMEOUT),
+                      Conformance("sglang", ("formats", "quantization", "gemm", "kv", "invariants"), timeout=INTERPRETER_TIMEOUT)),
          nightly=(Conformance("triton-interpret", ("quantization",), timeout=INTERPRETER_TIMEOUT,
                               label="triton-interpret-quantization"),),
          pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
          description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
     Tier("trl", "test,trl",
-         conformance=(Conformance("trl", ("correction",)),),
+         conformance=(Conformance("trl", ("correction", "invariants")),),
          pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py"),),
          description="TRL 1.16.0's GRPO vLLM importance-sampling correction (GRPOTrainer."
                      "_generate_and_score_completions driven unbound)"),
     Tier("checkpoint", "test,checkpoint", lock_constraints=("trl",),
-         conformance=(Conformance("compressed-tensors", ("quantization", "weight_sync", "checkpoint")),
+         conformance=(Conformance("compressed-tensors", ("quantization", "weight_sync", "checkpoint", "invariants")),
                       Conformance("hf-fp8", ("checkpoint",)),
-                      Conformance("torchao", ("formats", "quantization", "checkpoint")),
-                      Conformance("torchao-mx", ("quantization",))),
+                      Conformance("torchao", ("formats", "quantization", "checkpoint", "invariants")),
+                      Conformance("torchao-mx", ("quantization", "invariants"))),
          commands=(("checkpoint-matrix", "--writer", "reference", "--writer", "reference-per-tensor", "--writer",
                     "reference-channel", "--writer", "torchao", "--writer", "compressed-tensors", "--writer",
                     "compressed-tensors-channel", "--loader", "reference", "--loader", "hf-fp8", "--out",
@@ -168,7 +168,7 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                      "and checkpoint writer (compressed-tensors), transformers 5.24.0's FP8 loader (hf-fp8), torchao "
                      "0.18.0's float8 (torchao) and MX (torchao-mx) quantizers; the writer x loader matrix"),
     Tier("areal", "test,areal", no_deps=("areal==1.0.4",),
-         conformance=(Conformance("areal", ("correction",)),),
+         conformance=(Conformance("areal", ("correction", "invariants")),),
          pytest=((*_ENGINE_TEST, "tests/engines/areal/test_areal_engine.py"),),
          description="AReaL 1.0.4's decoupled-PPO behaviour correction, loss and proximal-policy approximation"),
 )}

@@ -23,6 +23,7 @@ from . import (
     e2e,
     formats,
     gemm,
+    invariants,
     kv,
     learning,
     quantization,
@@ -32,7 +33,7 @@ from ._base import Mutant, mutant
 
 #: the area modules, in report order
 AREA_MODULES: tuple[ModuleType, ...] = (formats, quantization, gemm, kv, correction, weight_sync, e2e, checkpoint,
-                                        learning)
+                                        learning, invariants)
 
 
 def _collect(modules: Iterable[ModuleType]) -> dict[str, Mutant]:

@@ -134,3 +134,41 @@ def test_kv_store_adapter_scope_names_its_one_capability_exact(vendor_dir):
     assert list(scope["capabilities"]) == ["kv.store"], scope
     assert scope["capabilities"]["kv.store"]["engine"] > 0
     assert r.returncode in (0, 1), r.stdout[-3000:]  # whatever its verdict, it is one about the vendor's code
+
+
+def readme_adapter() -> str:
+    """The adapter of README's "Bring your kernel" section (its first python block)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Bring your kernel"):]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, "README's 'Bring your kernel' section lost its python block"
+    return m.group(1)
+
+
+def test_readme_example_is_certified_on_its_own_ops_only_exact(tmp_path):
+    """README's example, run as written from a package outside the repository: CONFORMANT, and its scope holds
+    only the one capability it declares, every case of it run on its own code."""
+    pkg = tmp_path / "proj" / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fp8rl_engine.py").write_text(readme_adapter())
+    out = tmp_path / "r"
+    r = fp8rl(pkg.parent, "conformance", "--engine", "mypkg.fp8rl_engine:MyEngine", "--area", "quantization",
+              "--area", "invariants", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    scope = report(out)["summary"]["scope"]
+    assert list(scope["capabilities"]) == ["quantize.group"]
+    assert scope["oracle_cases"] == 0 and scope["untested"] == [] and scope["capabilities"]["quantize.group"]["engine"] > 0
+
+
+def test_fp16_zero_block_quantizer_fails_an_invariant_whatever_it_declares_exact(vendor_dir):
+    """The vendor's block quantizer (scale in the input dtype, eps 1e-12): declaring its policy honestly is a load
+    error (above); declaring fp8rl's fp32 policy instead still fails the universal invariant on fp16 zero blocks."""
+    out = vendor_dir / "r"
+    r = fp8rl(vendor_dir, "conformance", "--engine", "acme_engine:AcmeBlockFp32Declared", "--area", "invariants",
+              "-k", "quantize_finite and block and fp16", "--out", str(out))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    failed = {c["case"]: c for c in report(out)["checks"] if c["outcome"] == "failed"}
+    zero = failed.get("block-fp16-all-zero")
+    assert zero is not None and zero["id"] == "INV-FINITE-001", sorted(failed)
+    assert "scale 0.0" in zero["message"] and "not finite and > 0" in zero["message"], zero["message"]
