@@ -341,7 +341,7 @@ def test_sequence_tis_bound(engine):
 @check("CORR-TIS-004", "TIS truncates from above only: a token with ρ = 1/(4U) keeps its weight 1/(4U), one with "
        "ρ = 4U gets U; a row with Π ρ = 1/(4U) keeps 1/(4U) (no lower clamp at 1/U).", bound=WEIGHT_BOUNDS,
        requires=[CAP])
-def test_tis_no_lower_truncation(engine):
+def test_tis_no_lower_truncation_bound(engine):
     u = 2.0
     lr = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
     lo = lr.clone()
@@ -417,7 +417,7 @@ def test_rs_k1_symmetric_bound(engine):
 @check("CORR-RS-003", "k1 rejection with asymmetric 'lo_hi' bounds tests the ratio ρ = π_train/π_rollout (not "
        "its inverse): with token_k1 '0.9_4.0' a token with ρ = 3 is kept and one with ρ = 1/3 rejected; "
        "hypothesis-drawn asymmetric bounds at every k1 level.", bound=RS_BOUNDS, requires=[CAP])
-def test_rs_k1_asymmetric_direction(engine):
+def test_rs_k1_asymmetric_direction_stat(engine):
     lr = torch.full((1, 2), -2.0)
     lo = lr + torch.tensor([[math.log(3.0), -math.log(3.0)]])
     b = Batch(lo, lr, torch.ones(1, 2), 0)
@@ -446,7 +446,7 @@ def test_rs_combined_bound(engine):
 @check("CORR-RS-005", "Rejection sampling changes the mask only: the IS weights with RS equal the weights without "
        "RS, and IS alone never changes the mask.",
        bound=("exact", "corr_decision_band", "corr_weight", "corr_stat"), requires=[CAP])
-def test_rs_masks_only(engine):
+def test_rs_masks_only_stat(engine):
     @_no_shrink()
     @given(batches(), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
@@ -479,7 +479,7 @@ def test_veto_bound(engine):
 @check("CORR-MET-001", "Off-policy metrics (k1 KL, k3 KL, training/rollout PPL and log-PPL, log_ppl_diff and its "
        "abs/max/min, ppl_ratio, χ² token and sequence) equal the oracle's within the derived bound.",
        bound="corr_metric", requires=[CAP])
-def test_offpolicy_metrics(engine):
+def test_offpolicy_metrics_bound(engine):
     @_no_shrink()
     @given(batches(empty_rows=False), is_configs(normalize=False))
     def inner(b, cfg):
@@ -492,7 +492,7 @@ def test_offpolicy_metrics(engine):
 @check("CORR-MET-002", "IS metrics (mean applied weight, ESS, fractions above U / below the lower bound, "
        "truncated and IcePop out-of-band fractions, batch-norm factor) equal the oracle's.",
        bound=("corr_metric", "corr_decision_band", "corr_weight", "corr_norm_factor_floor"), requires=[CAP])
-def test_is_metrics(engine):
+def test_is_metrics_bound(engine):
     @_no_shrink()
     @given(batches(empty_rows=False), is_configs())
     def inner(b, cfg):
@@ -508,7 +508,7 @@ def test_is_metrics(engine):
 @check("CORR-MET-003", "RS metrics: the fraction of valid tokens rejected and of valid rows with a rejected token, "
        "overall and per option, equal the oracle's.", bound=("corr_metric", "corr_decision_band", "corr_stat"),
        requires=[CAP])
-def test_rs_metrics(engine):
+def test_rs_metrics_stat(engine):
     @_no_shrink()
     @given(batches(empty_rows=False), rs_specs(symmetric=True, max_options=3))
     def inner(b, spec):
@@ -522,7 +522,7 @@ def test_rs_metrics(engine):
 
 @check("CORR-MET-004", "Probability-space mismatch metrics: max/mean/std of |π_train − π_rollout| over valid "
        "tokens and their Pearson correlation equal the oracle's.", bound="corr_metric", requires=[CAP])
-def test_prob_metrics(engine):
+def test_prob_metrics_bound(engine):
     @_no_shrink()
     @given(batches(empty_rows=False, max_delta=1.0))
     def inner(b):
@@ -533,7 +533,7 @@ def test_prob_metrics(engine):
 
 @check("CORR-MET-005", "NeMo-RL token_mult_prob_error = mean over valid tokens of exp(|δ_t|) equals the oracle's "
        "(1.0 for identical policies).", bound="corr_metric", requires=[CAP])
-def test_token_mult_prob_error(engine):
+def test_token_mult_prob_error_bound(engine):
     @_no_shrink()
     @given(batches())
     def inner(b):
@@ -544,7 +544,7 @@ def test_token_mult_prob_error(engine):
 
 @check("CORR-MET-006", "The normalized ESS lies in [0, 1]; when IcePop zeroes every weight it is 0 (not inf/NaN).",
        bound=("exact", "corr_ess_range"), requires=[CAP])
-def test_ess_range(engine):
+def test_ess_range_bound(engine):
     lr = torch.full((2, 3), -1.0)
     lo = lr + 3.0  # ρ = e^3 ≈ 20, outside [0.5, 5]: every weight is zeroed
     b = Batch(lo, lr, torch.ones(2, 3), 0)
@@ -572,7 +572,7 @@ def test_ess_range(engine):
 @check("CORR-ID-001", "Identity: π_train = π_rollout ⇒ every weight is 1 (TIS at any level, IcePop bands "
        "containing 1), k1 KL = k3 KL = χ² = 0, and no RS option whose band contains 1 masks anything.",
        bound="exact", requires=[CAP])
-def test_identity(engine):
+def test_identity_exact(engine):
     @_no_shrink()
     @given(batches(), st.sampled_from(["token", "sequence"]), tis_thresholds(), rs_specs(max_options=3))
     def inner(b, level, u, spec):
@@ -632,7 +632,7 @@ def _metrics_equal(a: dict, b: dict, batch: Batch, other: Batch, cfg: C.Correcti
 @check("CORR-PAD-001", "Padding never contributes: appending padded columns filled with garbage log-probs changes "
        "no weight, no mask entry and no metric (beyond fp32 regrouping of the sums).", bound=PAIR_BOUNDS,
        requires=[CAP])
-def test_padding_length_invariance(engine):
+def test_padding_length_invariance_stat(engine):
     @_no_shrink()
     @given(batches(), is_configs(), rs_specs(symmetric=True, max_options=2), st.integers(1, 9))
     def inner(b, is_cfg, spec, k):
@@ -656,7 +656,7 @@ def test_padding_length_invariance(engine):
 @check("CORR-PAD-002", "Non-finite padding (log-probs −inf or NaN where the mask is 0) never propagates: weights "
        "there are 0, the mask stays 0, valid weights and every metric stay finite.", bound="exact",
        requires=[CAP])
-def test_nonfinite_padding(engine):
+def test_nonfinite_padding_exact(engine):
     @_no_shrink()
     @given(batches(pad="nonfinite"), is_configs(), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
@@ -680,7 +680,7 @@ def test_nonfinite_padding(engine):
 
 @check("CORR-PAD-003", "An all-padding (empty) row contributes nothing: appending one changes no other row's "
        "weight or mask and no metric (per-row means are over valid rows).", bound=PAIR_BOUNDS, requires=[CAP])
-def test_empty_row_invariance(engine):
+def test_empty_row_invariance_stat(engine):
     @_no_shrink()
     @given(batches(empty_rows=False), is_configs(), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
@@ -706,7 +706,7 @@ def test_empty_row_invariance(engine):
        "weights and every metric except the two perplexities (whose true value e^1e4 is not representable) are "
        "finite; weights equal the oracle's.", bound=("corr_weight", "corr_decision_band", "corr_stat"),
        requires=[CAP])
-def test_extreme_values(engine):
+def test_extreme_values_stat(engine):
     @_no_shrink()
     @given(batches(extreme=True), is_configs(normalize=False), rs_specs(symmetric=True, max_options=2))
     def inner(b, is_cfg, spec):
@@ -727,7 +727,7 @@ def test_extreme_values(engine):
 @check("CORR-GRAD-001", "IS weights are detached: with log π_train requiring grad, the returned weights carry no "
        "gradient (every level, TIS/IcePop, with and without batch normalization).", bound="exact",
        requires=[CAP])
-def test_weights_detached(engine):
+def test_weights_detached_exact(engine):
     b = make_batch(7, 4, 9, max_delta=1.0, empty_rows=False)
     for cfg in (C.CorrectionConfig("token", 2.0), C.CorrectionConfig("sequence", 2.0),
                 C.CorrectionConfig("token", "0.5_5.0", rollout_is_batch_normalize=True),
@@ -742,7 +742,7 @@ def test_weights_detached(engine):
 
 @check("CORR-VAL-001", "Invalid inputs are rejected: an all-zero mask and mismatched shapes raise an error instead "
        "of returning weights.", bound="exact", requires=[CAP])
-def test_invalid_inputs_rejected(engine):
+def test_invalid_inputs_rejected_exact(engine):
     b = make_batch(3, 2, 5, empty_rows=False)
     cfg = C.CorrectionConfig("token", 2.0)
     with pytest.raises(EngineError, match="ValueError|AssertionError"):
@@ -800,13 +800,13 @@ def _check_loss(engine, kind: str) -> None:
 @check("CORR-LOSS-001", "PPO-clip with dual clip × w: L = agg_t[w_t · max(−A r, −A clip(r, 1−ε_lo, 1+ε_hi)) "
        "(min with −A·c for A < 0)] for token-mean / seq-mean-token-mean / seq-mean-token-sum, and ∂L/∂log π treats "
        "w as a constant.", bound=("corr_loss", "corr_loss_headroom"), requires=["rollout_correction.loss"])
-def test_ppo_clip_loss(engine):
+def test_ppo_clip_loss_bound(engine):
     _check_loss(engine, "ppo_clip")
 
 
 @check("CORR-LOSS-002", "REINFORCE × w: L = agg_t[−A_t · log π_t · w_t] and ∂L/∂log π = −A·w/count.",
        bound=("corr_loss", "corr_loss_headroom"), requires=["rollout_correction.loss"])
-def test_reinforce_loss(engine):
+def test_reinforce_loss_bound(engine):
     _check_loss(engine, "reinforce")
 
 
@@ -897,7 +897,7 @@ EXTRA_KEYS = ("is_weight_min", "is_weight_max", "is_weight_row_mean", "abs_logp_
        "sampling_logp_difference mean/max): min and max of the applied weight over valid tokens, the mean of the "
        "row weights over valid rows, mean and max of |δ_t| over valid tokens equal the oracle's; padding and "
        "empty rows never enter them.", bound=("corr_metric", "corr_decision_band", "corr_weight"), requires=[CAP])
-def test_extra_metrics(engine):
+def test_extra_metrics_bound(engine):
     for level in ("token", "sequence"):  # fixed: padding on every row but the last, one empty row
         b = _anchor_batch([[0.5, -0.25, 0.75], [0.25], [], [-0.5, 0.5, 0.25, 1.0]])
         _compare_metric_keys(engine, b, C.CorrectionConfig(level, 3.0), EXTRA_KEYS)
@@ -959,7 +959,7 @@ DECOUPLED = "rollout_correction.decoupled"
        "ratio taken against the proximal policy (not the behaviour policy), the original valid-token count as "
        "denominator, and ∂L/∂log π_θ treating w as a constant.", bound=("corr_loss", "corr_loss_headroom"),
        requires=[DECOUPLED])
-def test_decoupled_ppo_loss(engine):
+def test_decoupled_ppo_loss_bound(engine):
     lcfg = C.LossConfig(kind="ppo_clip", agg="token-mean", clip_ratio_c=3.0)
     for seed in range(3):
         b = make_batch(seed, 5, 11, max_delta=1.0, empty_rows=True)

@@ -46,7 +46,7 @@ def _record(res: E.CaseResult) -> None:
        "log-probs vs the BF16 trainer's on the same tokens have k3 KL, token_mult_prob_error and max |dlogp| "
        "within the recipe's budget (measured reference-emulation distribution x margin).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
-def test_mismatch_budget(engine, model, recipe, run_seed):
+def test_mismatch_budget_stat(engine, model, recipe, run_seed):
     section = E.mismatch_section(engine, run_seed)  # every case of the section (the engine may start them together)
     res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
@@ -59,7 +59,7 @@ def test_mismatch_budget(engine, model, recipe, run_seed):
 @check("E2E-GREEDY-001", "Greedy rollouts of the fixed prompts stay on the BF16 trainer's greedy continuation "
        "for at least the recipe's floor of tokens on average (first divergence position).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
-def test_greedy_first_divergence(engine, model, recipe, run_seed):
+def test_greedy_first_divergence_stat(engine, model, recipe, run_seed):
     section = E.mismatch_section(engine, run_seed)
     res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
@@ -160,7 +160,7 @@ def test_samples_follow_reported_distribution_stat(engine, model, recipe, run_se
        "rollouts follow the NEW policy: their mismatch vs the BF16 trainer at step 1 is within budget and smaller "
        "than vs step 0. The update grows K/V 8x, so FP8 KV scales must be recalibrated (or pushed).",
        bound="e2e_mismatch", requires=["rollout.{recipe}", "update_weights"], timeout=600)
-def test_update_weights_follow_new_policy(engine, model, recipe, run_seed):
+def test_update_weights_follow_new_policy_stat(engine, model, recipe, run_seed):
     m0, m1 = fixtures.tiny_model(model, "base"), fixtures.tiny_model(model, "update")
     p, plen = E.prompts(), E.prompt_len()
     handle = engine.rollout_init(m0.config, m0.state_dict, recipe)

@@ -131,7 +131,7 @@ def attention_case(rng: np.random.Generator, case: str, fmt: str, layout: str):
 @check("KV-POLICY-001", "The engine declares a valid KV policy per (format, layout) whose store saturates: "
        "finite K/V beyond ±max·s must be stored as ±max (clamp or saturating convert), never as NaN/inf.",
        requires=["kv.store"])
-def test_kv_policy_saturates(engine, fmt, layout):
+def test_kv_policy_saturates_exact(engine, fmt, layout):
     pol = engine.kv_policy(fmt, layout)
     assert isinstance(pol, kvref.KVPolicy), f"kv_policy returned {type(pol).__name__}, expected KVPolicy"
     assert (pol.fmt, pol.layout) == (fmt, layout), f"kv_policy({fmt}, {layout}) declared ({pol.fmt}, {pol.layout})"
@@ -187,7 +187,7 @@ def test_kv_store_edge_values_exact(engine, fmt, layout):
 @STATIC_LAYOUTS
 @check("KV-STORE-003", "Finite K/V far beyond the range (|x/s| up to 1e30, and ±inf) never produce a NaN or inf "
        "code: they store as ±max; only NaN inputs give NaN codes.", requires=["kv.store"])
-def test_kv_store_saturates_no_nonfinite(engine, fmt, layout, rng):
+def test_kv_store_saturates_no_nonfinite_exact(engine, fmt, layout, rng):
     fmax = get_format(fmt).max_finite
     shape = (64, 2, 16)
     x = kv_tensor(rng, shape, spread=1)
@@ -453,7 +453,7 @@ def _check_forward(engine, res: kvref.KVForward, q, k, v, scales: kvref.KVScales
        "are the ones the next kv_forward uses: returned scales, cache codes and attention output match the oracle "
        "with the new scales (an engine that keeps step-0 scales saturates and fails).",
        bound="kv_attention_arith", requires=["kv.update_scales"])
-def test_kv_update_pushed_scales(engine, fmt, layout, seed):
+def test_kv_update_pushed_scales_bound(engine, fmt, layout, seed):
     caps = _drift_captures((0, 12), seed)
     layer = f"KV-UPDATE-001/{fmt}/{layout}/{seed}"
     q0, k0, v0 = caps[0]
@@ -479,7 +479,7 @@ def test_kv_update_pushed_scales(engine, fmt, layout, seed):
 @check("KV-UPDATE-002", "Engine-side recalibration: after kv_update_scales(layer, None) the next kv_forward "
        "computes strategy-A scales from that batch and freezes them for the following batches; a reset after the "
        "next weight update recomputes them from the new activations.", requires=["kv.update_scales"])
-def test_kv_update_engine_side_reset(engine, fmt, seed):
+def test_kv_update_engine_side_reset_exact(engine, fmt, seed):
     caps = _drift_captures((0, 12), seed)
     layer = f"KV-UPDATE-002/{fmt}/{seed}"
     q0, k0, v0 = caps[0]
@@ -506,7 +506,7 @@ def test_kv_update_engine_side_reset(engine, fmt, seed):
        "scale 1.0: with K/V/Q amax ≫ 448 the engine's own FP8 KV path (kv_forward with the scales it picks by "
        "itself) either refuses (MissingKVScales) or clips nothing (K, V, and Q where the policy quantizes Q).",
        requires=["kv.forward"])
-def test_kv_default_scale_flagged(engine, fmt, rng):
+def test_kv_default_scale_flagged_exact(engine, fmt, rng):
     fmax = get_format(fmt).max_finite
     q = torch.from_numpy(rng.standard_normal((1, 16, 4, 32)).astype(np.float32)) * 300
     k = kv_tensor(rng, (1, 16, 2, 32), spread=1) * (fmax * 4 / 3)
@@ -540,7 +540,7 @@ DRIFT_CHECK_CONFIG = {"steps": 16, "grow_steps": 10, "growth": 0.09}
        "error ≤ κ_attn and log-prob divergence ≤ κ_lp × the fresh-amax FP8 error); the table and plots for never / "
        "every step / every 5 steps go to the report.",
        bound=("kv_attention_vs_fresh", "kv_drift_logprob_vs_fresh"), requires=["kv.update_scales"], timeout=120.0)
-def test_kv_drift_per_step_recalibration(engine, seed):
+def test_kv_drift_per_step_recalibration_bound(engine, seed):
     cfg = drift.DriftConfig(seed=seed % 1000, **DRIFT_CHECK_CONFIG)  # type: ignore[arg-type]
     result = drift.simulate(cfg, backend=drift.EngineBackend(engine, cfg.fmt, cfg.layout, f"KV-DRIFT-001/{seed}"),
                             kappa_attn=tolerances.get("kv_attention_vs_fresh").value,

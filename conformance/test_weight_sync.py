@@ -85,7 +85,7 @@ def test_weight_sync_exact(engine, model):
 @check("WSYNC-NAMES-001", "The synced state dict has exactly the checkpoint's names plus one '<name>_scale_inv' "
        "per quantized weight; FP8 weights are torch.float8_e4m3fn of the weight's shape and every scale is "
        "float32 of shape (ceil(N/128), ceil(K/128)).", requires=["weight_sync"])
-def test_weight_sync_names_and_shapes(engine, model):
+def test_weight_sync_names_and_shapes_exact(engine, model):
     sd = fixtures.tiny_model(model).state_dict
     got = _synced(engine, model)
     names = _expected_names(model)
@@ -108,7 +108,7 @@ def test_weight_sync_names_and_shapes(engine, model):
 @check("WSYNC-EXCL-001", "Embeddings, lm_head, every norm (incl. QK-norm), biases, the MoE router mlp.gate and the "
        "shared-expert gate are shipped unchanged in BF16 (bit-identical to the trainer's weights) and get no scale: "
        "quantizing the router, the shared-expert gate or lm_head fails.", requires=["weight_sync"])
-def test_weight_sync_keeps_bf16(engine, model):
+def test_weight_sync_keeps_bf16_exact(engine, model):
     sd = fixtures.tiny_model(model).state_dict
     got = _synced(engine, model)
     kept = {n: why for n in sd for pat, why in KEEP_BF16.items() if re.search(pat, n)}
