@@ -438,10 +438,51 @@ class _OnceAction(argparse.Action):
         setattr(namespace, f"_seen_{self.dest}", True)
         setattr(namespace, self.dest, values)
 
+def cmd_scaffold(args: argparse.Namespace) -> int:
+    from fp8rl.scaffold import ScaffoldError, scaffold_check, scaffold_engine
+
+    console = _console()
+    root = Path(args.root)
+    if not (root / "suite").is_dir() or not (root / "conformance").is_dir():
+        console.print(f"[red]fp8rl: --root: {str(root)!r} is not an fp8rl checkout (no suite/ and conformance/)[/red]")
+        return EXIT_USAGE
+    try:
+        if args.what == "check":
+            files = scaffold_check(root, args.area, args.id, title=args.title, bound=args.bound, judged=args.judged,
+                                   requires=tuple(args.requires or ()), new_bound_value=args.bound_value)
+        else:
+            files = scaffold_engine(root, args.name, tier=args.tier)
+    except ScaffoldError as exc:
+        console.print(f"[red]fp8rl: {escape(str(exc))}[/red]")
+        return EXIT_USAGE
+    for f in files:
+        console.print(f"wrote {f.relative_to(root)}")
+    console.print(f"{len(files)} files; next: fill in every TODO (docs/commands.md, the checklist)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8rl", description="FP8 rollout numerics: conformance, mutants, perf")
     p.add_argument("--version", action="version", version=f"fp8rl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+
+    sc = sub.add_parser("scaffold", help="write the skeleton of a new check or engine into the files its checklist names")
+    scs = sc.add_subparsers(dest="what", required=True)
+    scc = scs.add_parser("check", help="a check, its mutant, and its bound if new")
+    scc.add_argument("area", help="the area (conformance/test_<area>.py)")
+    scc.add_argument("id", help="the check id, AREA-NAME-00N")
+    scc.add_argument("--title", default=None, help="its one sentence of spec")
+    scc.add_argument("--bound", default="exact", help="the tolerance-table entry it is judged with (default exact)")
+    scc.add_argument("--bound-value", type=float, default=None, help="value of a new bound the table lacks")
+    scc.add_argument("--judged", choices=["exact", "bound", "stat"], default=None,
+                     help="how it is judged: the test function's suffix")
+    scc.add_argument("--requires", action="append", default=None, metavar="CAPABILITY",
+                     help="a capability key it needs (repeatable)")
+    sce = scs.add_parser("engine", help="an engine adapter, its registry line, vendor file, pinned test, tier run")
+    sce.add_argument("name", help="the engine's name (lower-case words joined by '-')")
+    sce.add_argument("--tier", default=None, help="add its conformance run to this tier of noxfile.py")
+    sc.add_argument("--root", default=".", help="the fp8rl checkout to write into (default: the current directory)")
+    sc.set_defaults(func=cmd_scaffold)
 
     e = sub.add_parser("engines", help="list engines, versions and capabilities (with reasons)")
     e.add_argument("names", nargs="*", help="engines to show (default: built-ins and entry points)")
