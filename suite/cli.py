@@ -402,7 +402,11 @@ def cmd_checks(args: argparse.Namespace) -> int:
     from fp8rl.mutants import killers_by_check
 
     CHECKS = all_checks()
-    rows = sorted(CHECKS.values(), key=lambda c: (c.area, c.id))
+    rows = sorted((c for c in CHECKS.values() if not args.area or c.area in args.area), key=lambda c: (c.area, c.id))
+    if not rows:
+        _console().print(f"[red]fp8rl: --area: no checks in {args.area}; areas: "
+                         f"{sorted({c.area for c in CHECKS.values()})}[/red]")
+        return EXIT_USAGE
     kills = killers_by_check()
     if args.json:
         print(json.dumps([{"id": c.id, "area": c.area, "title": c.title, "bound": c.bound,
@@ -528,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("checks", help="list every conformance check with its spec sentence and bound")
     k.add_argument("--json", action="store_true")
+    k.add_argument("--area", action="append", default=None, metavar="AREA", help="only this area's checks (repeatable)")
     k.set_defaults(func=cmd_checks)
 
     # commands contributed by other areas: each module defines register(subparsers) (KV drift, perf, ...)

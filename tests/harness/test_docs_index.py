@@ -59,3 +59,20 @@ def test_citation_pattern_sees_a_stale_reference():
         "see docs/engine-numerics.md §2.2 and docs/nope.md; veRL docs/advance/fp8.md, NeMo-RL ../docs/fp8.md")]
     assert hits == [("engine-numerics.md", "2.2"), ("nope.md", None)]
     assert "2.2" in _sections("engine-numerics.md")
+
+
+def test_docs_do_not_restate_the_check_catalogue_exact():
+    """The check catalogue has one source, the checks (``fp8rl checks [--area A] [--json]``): no document holds a
+    table of check ids with what each checks (a findings table, one row per vendor deviation, is not a catalogue)."""
+    import re
+
+    from fp8rl.checks import all_checks
+
+    ids = set(all_checks())
+    restated = []
+    for doc in sorted((REPO_ROOT / "docs").glob("*.md")):
+        rows = [m.group(1) for m in re.finditer(r"^\| `?([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+)`? \|", doc.read_text(), re.M)]
+        listed = [r for r in rows if r in ids]
+        if len(set(listed)) >= 3 and re.search(r"^\| id \| what", doc.read_text(), re.M):
+            restated.append(f"{doc.name}: {sorted(set(listed))}")
+    assert not restated, f"documents restating check catalogues (use `fp8rl checks --area A`): {restated}"
