@@ -215,10 +215,9 @@ def _known(engine: str, model: str, check: str = "CKPT-LOAD-001", fmt: str | Non
     """The engine's vendor xfails have an entry that one of ``known_keys(check, model, fmt)`` starts with (an entry
     is a check-id prefix, as in a conformance run: ``WSYNC-BOUND-001[tiny-qwen3-moe`` covers
     ``WSYNC-BOUND-001[tiny-qwen3-moe]``)."""
-    from fp8rl.plugin import entry_applies, parse_id_file
-    from fp8rl.runner import vendor_file
+    from fp8rl.vendor_files import entry_applies, packaged_vendor_file, parse_id_file
 
-    f = vendor_file(engine, "xfails")
+    f = packaged_vendor_file(engine, "xfails")
     keys = known_keys(check, model, fmt)
     return f is not None and any(k.startswith(p) for p, r in parse_id_file(f) if entry_applies(r) for k in keys)
 

@@ -115,7 +115,7 @@ def _prepare_out(out: Path, console: Console) -> bool:
 
 
 def _check_id_files(args: argparse.Namespace, console: Console) -> bool:
-    from fp8rl.plugin import parse_id_file
+    from fp8rl.vendor_files import parse_id_file
 
     for opt in ("xfails", "skips"):
         path = getattr(args, opt, None)

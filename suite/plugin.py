@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from fp8rl.checks import CURRENT_METRICS, CURRENT_OPS, REFUSED_PREFIX, CheckSpec
 from fp8rl.engine import EngineError
 from fp8rl.runner import MUTANT_MATRICES
 from fp8rl.runner import RUN_PROFILES as PROFILES  # run profile → hypothesis profile
+from fp8rl.vendor_files import entry_applies, entry_is_stale, matches, parse_id_file
 
 DEFAULT_ENGINE = "reference"
 #: set by ``fp8rl conformance`` in the pytest process it supervises
@@ -125,54 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# vendor xfail / skip files
-
-
-def _cpu_amx() -> bool:
-    from fp8rl.environment import cpu_features
-
-    return "amx" in cpu_features()
-
-
-#: conditions a vendor-file entry may be scoped to: its reason starts with ``[when NAME]`` or ``[when not NAME]``.
-#: An engine whose behaviour depends on the machine (vLLM's CPU kernels pick AMX code paths where the CPU has AMX
-#: tiles) records each finding on the machines where it shows, so one file gives the same verdict on every machine.
-ENTRY_CONDITIONS: dict[str, Any] = {"cpu:amx": _cpu_amx}
-_WHEN = re.compile(r"^\[when (not )?([\w:.-]+)\]")
-
-
-def entry_applies(reason: str, where: str = "entry") -> bool:
-    """Whether a vendor-file entry applies on this machine: True unless its reason starts with a ``[when ...]``
-    condition that does not hold (:data:`ENTRY_CONDITIONS`); an unknown condition is a usage error."""
-    m = _WHEN.match(reason)
-    if m is None:
-        return True
-    name = m.group(2)
-    if name not in ENTRY_CONDITIONS:
-        raise pytest.UsageError(f"fp8rl: {where}: unknown condition {name!r} in '[when ...]'; known: "
-                                f"{sorted(ENTRY_CONDITIONS)}")
-    return bool(ENTRY_CONDITIONS[name]()) != bool(m.group(1))
-
-
-def parse_id_file(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """Parse a vendor file: one check-id prefix per line, then ``# reason``. Blank/comment lines are ignored.
-
-    A line without a reason is an error: every xfail/skip must say why.
-    """
-    entries = []
-    p = Path(path)
-    if not p.is_file():
-        raise pytest.UsageError(f"fp8rl: id file {str(p)!r} does not exist")
-    for lineno, raw in enumerate(p.read_text().splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        prefix, sep, reason = line.partition("#")
-        prefix, reason = prefix.strip(), reason.strip()
-        if not sep or not reason:
-            raise pytest.UsageError(f"fp8rl: {p}:{lineno}: entry {prefix!r} has no '# reason'")
-        entries.append((prefix, reason))
-    return entries
+# vendor xfail / skip files: fp8rl.vendor_files
 
 
 def _item_engine(item: pytest.Item, config: pytest.Config) -> str:
@@ -200,20 +153,6 @@ def _deselect_for_mutants(config: pytest.Config, items: list[pytest.Item], check
 def _item_spec(item: pytest.Item) -> CheckSpec | None:
     mark = item.get_closest_marker("fp8rl_check")
     return mark.kwargs["spec"] if mark else None
-
-
-def _matches(prefix: str, spec: CheckSpec, item: pytest.Item) -> bool:
-    return spec.id.startswith(prefix) or item.nodeid.startswith(prefix) or f"{spec.id}[{_case(item)}]".startswith(prefix)
-
-
-def _entry_is_stale(prefix: str, checks: list, known_ids: Iterable[str], run_ids: set[str]) -> bool:
-    """Whether a vendor-file entry that matched nothing is stale: it names no check of the suite (``known_ids``), or
-    its check ran in this run (``run_ids``) and none of its cases matched. An entry for a check this run did not
-    select (``--area``, ``-k``) is not: a vendor file covers every area while CI runs them in parts."""
-    if "::" in prefix or "/" in prefix:  # a node id: stale only if nothing of its file was collected
-        return not any(it.nodeid.startswith(prefix.split("::")[0]) for it, _ in checks)
-    named = {cid for cid in known_ids if cid.startswith(prefix) or prefix.startswith(f"{cid}[")}
-    return not named or bool(named & run_ids)
 
 
 def _case(item: pytest.Item) -> str:
@@ -261,13 +200,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 continue  # scoped to machines this one is not (e.g. [when cpu:amx])
             hit = False
             for it, spec in checks:
-                if _matches(prefix, spec, it):
+                if matches(prefix, spec.id, it.nodeid, _case(it)):
                     hit = True
                     if kind == "xfail":
                         it.add_marker(pytest.mark.xfail(reason=f"vendor xfail: {reason}", strict=False))
                     else:
                         it.add_marker(pytest.mark.skip(reason=f"vendor skip: {reason}"))
-            if not hit and _entry_is_stale(prefix, checks, _known_ids(), run_ids):
+            if not hit and entry_is_stale(prefix, [it.nodeid for it, _ in checks], _known_ids(), run_ids):
                 msg = f"fp8rl: {opt[8:]} entry {prefix!r} matches no collected check (stale entry?)"
                 warnings.warn(msg, stacklevel=1)
                 state.warnings.append(msg)
@@ -623,7 +562,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         areas, keyword = config.getoption("--fp8rl-area"), config.getoption("keyword") or None
         state.journal.write("run", engines=engine_names(config), pid=os.getpid(),
                             selection={"areas": areas, "keyword": keyword} if (areas or keyword) else None)
-    from fp8rl.runner import describe_engine, vendor_file
+    from fp8rl.runner import describe_engine
+    from fp8rl.vendor_files import packaged_vendor_file
 
     for name in engine_names(config):
         try:
@@ -644,7 +584,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if state.journal is not None:
         state.journal.write("engines", descriptions=state.engines)
     if config.getoption("--fp8rl-packaged-xfails") and not config.getoption("--fp8rl-xfails"):
-        files = {vendor_file(d["name"], "xfails") for d in state.engines.values()}
+        files = {packaged_vendor_file(d["name"], "xfails") for d in state.engines.values()}
         if len(files) == 1 and None not in files:
             config.option.fp8rl_xfails = str(files.pop())
 
@@ -709,4 +649,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         state.journal.close()
 
 
-__all__ = ["ENTRY_CONDITIONS", "PROFILES", "engine_names", "entry_applies", "parse_id_file"]
+__all__ = ["PROFILES", "engine_names"]

@@ -1,4 +1,5 @@
-"""Runs the conformance suite (pytest, in-process) and turns per-check results into reports.
+"""Runs the conformance suite (pytest in a supervised child process, :func:`run_supervised`) and turns per-check
+results into reports.
 
 ``run_conformance`` is what ``fp8rl conformance`` and ``fp8rl mutants`` call; the pytest plugin calls
 ``build_report``/``write_results`` at the end of a session.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +21,6 @@ RUN_PROFILES: dict[str, str] = {"ci": "ci", "full": "dev", "nightly": "nightly",
 #: which checks ``fp8rl mutants`` runs each mutant against (``--fp8rl-mutant-matrix``): its declared killers, its
 #: area's checks, or every check
 MUTANT_MATRICES = ("declared", "area", "full")
-
-
-def vendor_file(engine: str, kind: str) -> Path | None:
-    """The packaged vendor file ``conformance/vendors/<engine>.<kind>`` (kind: xfails|skips), if any."""
-    safe = engine.replace(":", "_")
-    try:
-        p = resources.files("fp8rl.conformance").joinpath("vendors", f"{safe}.{kind}")
-    except ModuleNotFoundError:
-        return None
-    return Path(str(p)) if p.is_file() else None
 
 
 def describe_engine(name: str) -> dict[str, Any]:

@@ -142,7 +142,7 @@ class {cls}(Engine):
 
 from __future__ import annotations
 
-from fp8rl.plugin import parse_id_file
+from fp8rl.vendor_files import parse_id_file
 from fp8rl.registry import load_engine
 from support import REPO_ROOT
 

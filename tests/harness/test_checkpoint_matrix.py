@@ -130,15 +130,15 @@ class _RaisingLoader(Engine):
 ])
 def test_matrix_known_is_format_aware_exact(tmp_path, monkeypatch, entries, rc, known_fp8, known_ct):
     import fp8rl.registry
-    import fp8rl.runner
+    import fp8rl.vendor_files
 
     xf = tmp_path / "fake-loader.xfails"
     xf.write_text("".join(f"{e}  # a finding of the fake loader on this cell, for the format-aware known-ness\n"
                           for e in entries))
-    real_load, real_vendor = fp8rl.registry.load_engine, fp8rl.runner.vendor_file
+    real_load, real_vendor = fp8rl.registry.load_engine, fp8rl.vendor_files.packaged_vendor_file
     monkeypatch.setattr(fp8rl.registry, "load_engine",
                         lambda name: _RaisingLoader() if name == "fake-loader" else real_load(name))
-    monkeypatch.setattr(fp8rl.runner, "vendor_file",
+    monkeypatch.setattr(fp8rl.vendor_files, "packaged_vendor_file",
                         lambda engine, kind: xf if engine == "fake-loader" and kind == "xfails"
                         else real_vendor(engine, kind))
     _ct_checkpoint(tmp_path)

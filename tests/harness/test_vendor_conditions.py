@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from fp8rl import plugin
+from fp8rl import vendor_files
 
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_when_condition_follows_the_machine_exact(monkeypatch, amx):
-    monkeypatch.setitem(plugin.ENTRY_CONDITIONS, "cpu:amx", lambda: amx)
-    assert plugin.entry_applies("[when cpu:amx] a finding of the AMX code path") is amx
-    assert plugin.entry_applies("[when not cpu:amx] a finding of the AVX-512 code path") is not amx
-    assert plugin.entry_applies("an unconditional finding [when cpu:amx] later in the text") is True
+    monkeypatch.setitem(vendor_files.ENTRY_CONDITIONS, "cpu:amx", lambda: amx)
+    assert vendor_files.entry_applies("[when cpu:amx] a finding of the AMX code path") is amx
+    assert vendor_files.entry_applies("[when not cpu:amx] a finding of the AVX-512 code path") is not amx
+    assert vendor_files.entry_applies("an unconditional finding [when cpu:amx] later in the text") is True
 
 
 def test_unknown_condition_is_a_usage_error_naming_it():
     with pytest.raises(pytest.UsageError, match="unknown condition 'cpu:sve'.*known: \\['cpu:amx'\\]"):
-        plugin.entry_applies("[when cpu:sve] reason", "x.xfails: CHECK-001")
+        vendor_files.entry_applies("[when cpu:sve] reason", "x.xfails: CHECK-001")
 
 
 def test_conditional_entries_scope_xfails_in_a_run(tmp_path):
@@ -35,6 +35,6 @@ def test_conditional_entries_scope_xfails_in_a_run(tmp_path):
           "--no-isolation", "--out", str(out)])
     rep = json.loads((out / "report.json").read_text())
     cases = {c["case"]: c["outcome"] for c in rep["checks"] if c["id"] == "CAST-SWEEP-001"}
-    amx = plugin.ENTRY_CONDITIONS["cpu:amx"]()
+    amx = vendor_files.ENTRY_CONDITIONS["cpu:amx"]()
     assert (cases["e4m3fn"], cases["e5m2"]) == (("xpassed", "passed") if amx else ("passed", "xpassed"))
     assert not any("matches no collected check" in w for w in rep["warnings"])

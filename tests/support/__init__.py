@@ -10,7 +10,7 @@ def assert_vendor_xfails_valid(path: Path, min_reason: int) -> None:
     """A vendor xfails file (conformance/vendors/<engine>.xfails) has entries, each naming a registered check id
     (every area's checks; the part before any ``[case]``) with a reason of at least ``min_reason`` characters."""
     from fp8rl.checks import all_checks
-    from fp8rl.plugin import entry_applies, parse_id_file
+    from fp8rl.vendor_files import entry_applies, parse_id_file
 
     entries = parse_id_file(path)
     assert entries, f"{path.name} has no entries"

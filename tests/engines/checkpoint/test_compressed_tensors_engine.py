@@ -14,7 +14,7 @@ import torch
 from fp8rl import fixtures, tolerances
 from fp8rl.checks import CHECKS
 from fp8rl.engines import compressed_tensors as C
-from fp8rl.plugin import parse_id_file
+from fp8rl.vendor_files import parse_id_file
 from fp8rl.reference import checkpoint as ck
 from fp8rl.reference import checkpoint_ct as cct
 from fp8rl.reference import weight_sync as ws
