@@ -37,8 +37,8 @@ def describe_engine(name: str) -> dict[str, Any]:
     wrong = return_type_problems(eng, caps)
     if wrong:
         raise EngineLoadError(f"engine {name!r}: an op returns the wrong type (a tiny call at load): " + "; ".join(wrong))
-    out = {"name": eng.name if not name.startswith("mutant:") else name, "version": str(eng.version()),
-           "capabilities": caps}
+    out: dict[str, Any] = {"name": eng.name if not name.startswith("mutant:") else name,
+                           "version": str(eng.version()), "capabilities": caps}
     from fp8rl.policy_lint import lint_engine
 
     lint = lint_engine(eng, caps)  # its errors made load_engine fail; what is left is accepted, and reported

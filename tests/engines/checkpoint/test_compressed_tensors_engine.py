@@ -14,12 +14,12 @@ import torch
 from fp8rl import fixtures, tolerances
 from fp8rl.checks import CHECKS
 from fp8rl.engines import compressed_tensors as C
-from fp8rl.vendor_files import parse_id_file
 from fp8rl.reference import checkpoint as ck
 from fp8rl.reference import checkpoint_ct as cct
 from fp8rl.reference import weight_sync as ws
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, quantize
+from fp8rl.vendor_files import parse_id_file
 from support import REPO_ROOT
 from support.upstream import pinned
 

@@ -11,8 +11,8 @@ import pytest
 from fp8rl.engine import capability_reason
 from fp8rl.engines import vllm as V
 from fp8rl.environment import cpu_features
-from fp8rl.vendor_files import parse_id_file
 from fp8rl.reference import checkpoint as ck
+from fp8rl.vendor_files import parse_id_file
 from support import REPO_ROOT
 from support.upstream import pinned
 

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 from fp8rl.engines import mx_peers as P
-from fp8rl.vendor_files import parse_id_file
 from fp8rl.reference import microscaling as mx
+from fp8rl.vendor_files import parse_id_file
 from support import REPO_ROOT
 from support.upstream import pinned
 
