@@ -5,7 +5,9 @@ An engine's ``capabilities()`` maps keys of this table to ``True`` (available) o
 ``requires=`` keys of this table (with ``{param}`` placeholders filled from its parameters) and is skipped with the
 engine's reason when one is missing. An engine that declares a key not in this table fails to load, with the list
 of known keys. The mutant-matrix pruning (``conformance/conftest.py``), ``fp8rl engines`` and the adapters read
-this table; nothing else lists capability keys.
+this table; engines name the keys they declare (a key's area, ops and meaning are only here), and the lists the
+keys are built from (element formats, granularity kinds, rollout and microscaling recipes) are the oracle's
+(fp8rl.reference), imported, not copied.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fp8rl.reference.rollout import RECIPES
+from fp8rl.reference import microscaling, mx_weight_sync, rollout
+from fp8rl.reference.formats import ELEMENT_FORMATS
+from fp8rl.reference.quant import GRANULARITY_KINDS
 
-ELEMENT_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
+#: the granularity kinds of ``quantize.<kind>``: the oracle's (fp8rl.reference.quant.GRANULARITY_KINDS)
+QUANT_KINDS: tuple[str, ...] = GRANULARITY_KINDS
 GEMM_KINDS = ("block", "tensor", "row")
 #: the rollout numerics recipes (``rollout.<recipe>``): the oracle's recipes
-ROLLOUT_RECIPES = tuple(RECIPES)
+ROLLOUT_RECIPES: tuple[str, ...] = tuple(rollout.RECIPES)
 #: the microscaling recipes (``mx_quantize.<recipe>``): fp8rl.reference.microscaling.RECIPES
-MX_RECIPES = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+MX_RECIPES: tuple[str, ...] = tuple(microscaling.RECIPES)
 #: the microscaling weight-sync recipes (``mx_weight_sync.<recipe>``): fp8rl.reference.mx_weight_sync.MX_SYNC_RECIPES
-MX_SYNC_RECIPES = ("mxfp8", "nvfp4-experts")
+MX_SYNC_RECIPES: tuple[str, ...] = tuple(mx_weight_sync.MX_SYNC_RECIPES)
 
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
@@ -183,5 +187,5 @@ def ops_of(required: list[str]) -> set[str] | None:
     return out
 
 
-__all__ = ["CAPABILITIES", "Capability", "ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "ROLLOUT_RECIPES",
-           "all_of", "get", "keys", "ops_of", "validate_declared"]
+__all__ = ["CAPABILITIES", "Capability", "ELEMENT_FORMATS", "GEMM_KINDS", "MX_RECIPES", "MX_SYNC_RECIPES",
+           "QUANT_KINDS", "ROLLOUT_RECIPES", "all_of", "get", "keys", "ops_of", "validate_declared"]

@@ -6,8 +6,9 @@ unavailable capability is *skipped with that reason*, never passed.
 
 Capability keys, their areas, the ops each gates and their meaning: :mod:`fp8rl.capabilities` (the one table).
 The protocol is split by area into mixins (:class:`CoreOps`: formats, quantization, GEMM; :class:`KVOps`;
-:class:`CorrectionOps`; :class:`RolloutOps`: weight sync and e2e; :class:`MXOps`: the microscaling recipes);
-:class:`Engine` is all of them.
+:class:`CorrectionOps`; :class:`RolloutOps`: weight sync and e2e; :class:`CheckpointOps`: FP8 checkpoint writers and
+loaders; :class:`MXOps`: the microscaling recipes); :class:`Engine` is all of them: every op the capability table gates
+is declared here, with the shapes and dtypes it receives and returns.
 
 The engine *declares* the numerics it implements, so that checks compare like with like:
 ``cast_overflow(fmt)`` names its overflow policy per format, and ``scale_policy(kind)`` returns the
@@ -20,6 +21,8 @@ bit-exact agreement with the oracle *under the declared policy*.
 from __future__ import annotations
 
 import contextvars
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -171,7 +174,8 @@ class CorrectionOps:
     """Area ``correction``: rollout correction (capabilities ``rollout_correction``: rollout_is None/"token"/
     "sequence", TIS and IcePop thresholds, batch normalization, the 11 RS options; ``rollout_correction.geometric``:
     rollout_is="geometric"; ``rollout_correction.veto``: the historical rollout_token_veto_threshold;
-    ``rollout_correction.loss``: :meth:`correction_loss`)."""
+    ``rollout_correction.loss``: :meth:`correction_loss`; ``rollout_correction.proximal``: :meth:`proximal_logp`;
+    ``rollout_correction.decoupled``: :meth:`decoupled_loss`)."""
 
     name: str
 
@@ -202,6 +206,41 @@ class CorrectionOps:
         differentiable with respect to ``logp``.
         """
         raise Unsupported(f"{self.name} has no correction_loss op")
+
+    def proximal_logp(self, behave_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor,
+                      current_version: int, method: str) -> torch.Tensor:
+        """Decoupled PPO's proximal policy log π_prox approximated without a forward pass of it (capability
+        ``rollout_correction.proximal``; oracle :func:`fp8rl.reference.correction.proximal_logp`).
+
+        ``behave_logp`` / ``theta_logp``: (B, T) floating log-probs of the sampled tokens under the behaviour
+        (rollout) policy and the current policy θ; ``versions``: (B, T) int64 policy version that generated each
+        token (−1 for prompt tokens); ``current_version``: θ's version v_θ. α = clamp((v_θ − 1 − v)/(v_θ − v), 0, 1)
+        for generated tokens, 0 for prompt and fresh ones; ``method``: ``"loglinear"`` (l_b + α(l_θ − l_b)),
+        ``"linear"`` (log((1 − α)e^{l_b} + α·e^{l_θ}), no additive floor) or ``"rollout"`` (l_b); raise Unsupported
+        for a method the engine does not implement.
+
+        Returns a tensor of ``behave_logp``'s shape (the oracle: in its dtype), θ's log-probs treated as constants.
+        """
+        raise Unsupported(f"{self.name} has no proximal_logp op")
+
+    def decoupled_loss(self, logp: torch.Tensor, prox_logp: torch.Tensor, behave_logp: torch.Tensor,
+                       advantages: torch.Tensor, mask: torch.Tensor, loss_config: Any,
+                       correction_config: Any) -> torch.Tensor:
+        """Decoupled PPO loss (capability ``rollout_correction.decoupled``; oracle
+        :func:`fp8rl.reference.correction.decoupled_ppo_loss`): L = Σ_t m'_t·w_t·PPO-clip(π_θ/π_prox, A)_t / Σ_t m_t.
+
+        ``logp``: (B, T) floating log π_θ of the sampled tokens (requires grad); ``prox_logp`` / ``behave_logp``:
+        (B, T) log π_prox (the clip's reference policy) and log π_behave (the rollout's); ``advantages``: (B, T);
+        ``mask``: (B, T) 0/1 response mask (values at mask 0 must not matter); ``loss_config``: a
+        :class:`fp8rl.reference.correction.LossConfig` (the checks use ``kind="ppo_clip"``, ``agg="token-mean"``;
+        raise Unsupported for others the engine lacks); ``correction_config``: a
+        :class:`fp8rl.reference.correction.CorrectionConfig` giving the behaviour IS weight w = π_prox/π_behave
+        (truncated or masked) and the rejection mask m'. The denominator is the *original* count of valid tokens.
+
+        Returns a 0-d tensor (the oracle: in ``logp``'s dtype), differentiable with respect to ``logp`` only (w, the
+        proximal and behaviour log-probs are constants).
+        """
+        raise Unsupported(f"{self.name} has no decoupled_loss op")
 
 
 class RolloutOps:
@@ -279,6 +318,74 @@ class RolloutOps:
         raise Unsupported(f"{self.name} has no update_weights op")
 
 
+class CheckpointOps:
+    """Area ``checkpoint``: FP8 checkpoints between a writer and a loader (capabilities ``checkpoint.write``,
+    ``checkpoint.write_channel``, ``checkpoint.load``, ``checkpoint.score``, ``checkpoint.attention_scales``;
+    docs/checkpoint.md).
+
+    A checkpoint is a Hugging Face model directory: ``config.json`` (the model config plus ``quantization_config``)
+    and ``*.safetensors``, tensors under HF *checkpoint* names (MoE experts unfused). Oracles:
+    fp8rl.reference.checkpoint (blockwise and per-tensor FP8, ``quant_method: fp8``) and
+    fp8rl.reference.checkpoint_ct (compressed-tensors). Paths are given as ``str`` or ``os.PathLike``. A loader may
+    also declare ``checkpoint_formats`` (the ``quant_method`` values it reads; default ``("fp8",)``),
+    ``checkpoint_format_notes`` (format → why not) and ``checkpoint_layout_reason(layout)`` (see
+    :func:`checkpoint_layout_reason`): declarations, not ops.
+    """
+
+    name: str
+
+    def checkpoint_write(self, out_dir: str | os.PathLike[str], config: Mapping[str, Any],
+                         state_dict: Mapping[str, torch.Tensor]) -> str | os.PathLike[str]:
+        """Write an FP8 checkpoint of ``state_dict`` into ``out_dir`` (created if missing) and return the directory.
+
+        ``config``: the HF model config (a dict); ``state_dict``: checkpoint-named BF16 weights, or the trainer's fp32
+        master weights (cast to BF16 first). Every attention/MLP/expert projection is stored as FP8 codes
+        (``torch.float8_e4m3fn``, the weight's shape) plus **dequant** scales of shape (⌈N/128⌉, ⌈K/128⌉), bit-exact
+        to the 128×128 block quantization of the BF16 weight under the engine's declared ``scale_policy("block")``:
+        fp32 ``<m>.weight_scale_inv`` (``quant_method: fp8``, ``weight_block_size`` [128, 128], ``ignored_layers`` /
+        ``modules_to_not_convert``), or compressed-tensors' block-strategy form (``<m>.weight_scale``); every
+        other tensor (embeddings, norms, routers, ``lm_head``) in BF16 unchanged, no other names. ``config.json``
+        keeps every field of ``config`` and adds the ``quantization_config`` that says what the file holds.
+        """
+        raise Unsupported(f"{self.name} has no checkpoint_write op")
+
+    def checkpoint_write_channel(self, out_dir: str | os.PathLike[str], config: Mapping[str, Any],
+                                 state_dict: Mapping[str, torch.Tensor]) -> str | os.PathLike[str]:
+        """Write a compressed-tensors channel-strategy checkpoint (llm-compressor's FP8_DYNAMIC) of ``state_dict``
+        into ``out_dir`` and return the directory. Inputs as :meth:`checkpoint_write`.
+
+        Every projection: FP8 codes (``torch.float8_e4m3fn``, the weight's shape) and ``<m>.weight_scale`` of shape
+        (N, 1) (fp32, bf16 or fp16), one dequant scale per output row under the declared ``scale_policy("channel")``
+        of the BF16 weight; every other tensor in BF16 unchanged. ``quantization_config``: ``quant_method
+        "compressed-tensors"``, format ``float-quantized``, one group targeting Linear with static channel FP8
+        weights and dynamic per-token FP8 input activations, ``ignore`` = the routers and ``lm_head``.
+        """
+        raise Unsupported(f"{self.name} has no checkpoint_write_channel op")
+
+    def checkpoint_load(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+        """Load the checkpoint at ``path`` as the engine does and return the weights it then holds, by checkpoint
+        name (fused modules split back: q/k/v, gate/up, per expert), in the dtype it holds them (e.g. BF16): each
+        quantized weight must equal codes × scales of the file (computed exactly, rounded once to that dtype), every
+        other tensor as stored. Only the formats in ``checkpoint_formats`` are fed. A malformed checkpoint (a scale
+        of the wrong shape, missing, NaN or inf; a ``weight_block_size`` contradicting the scale shapes) must raise
+        (any exception but Unsupported), not load."""
+        raise Unsupported(f"{self.name} has no checkpoint_load op")
+
+    def checkpoint_score(self, path: str | os.PathLike[str], tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """log π(tokens[:, t] | tokens[:, :t]) for t ≥ ``prompt_len`` under the model the engine loads from the
+        checkpoint at ``path``, teacher-forced with its own forward: ``tokens`` (B, T) int64 → (B, T − prompt_len)
+        float32 (log-softmax of the fp32 logits at each scored token)."""
+        raise Unsupported(f"{self.name} has no checkpoint_score op")
+
+    def checkpoint_attention_scales(self, path: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
+        """The q/k/v scales each attention layer uses after loading the checkpoint at ``path`` with an FP8 (e4m3) KV
+        cache: layer index → ``{"q": float, "k": float, "v": float}``. The file's ``k_scale`` / ``v_scale`` /
+        ``q_scale`` where stored, else the documented defaults (k and v absent: 1.0; one present: it for both; q
+        absent: the k scale; fp8rl.reference.checkpoint.expected_attention_scales). A NaN, zero, negative or
+        non-scalar scale must raise."""
+        raise Unsupported(f"{self.name} has no checkpoint_attention_scales op")
+
+
 class MXOps:
     """The microscaling recipes (MXFP8 e4m3/e5m2 and MXFP4: E8M0 scales per 32; NVFP4: E4M3 scales per 16 × an
     fp32 global scale) in the areas ``quantization``, ``gemm`` and ``weight_sync`` (capabilities
@@ -310,7 +417,7 @@ class MXOps:
         raise Unsupported(f"{self.name} has no mx_weight_sync op")
 
 
-class Engine(CoreOps, KVOps, CorrectionOps, RolloutOps, MXOps):
+class Engine(CoreOps, KVOps, CorrectionOps, RolloutOps, CheckpointOps, MXOps):
     """Base class (and documentation) of the engine protocol: every area's ops. Subclasses override what they
     support; every op not overridden raises :class:`Unsupported`, and ``capabilities()`` must say so with a
     reason (keys: :mod:`fp8rl.capabilities`)."""
@@ -394,7 +501,7 @@ def checkpoint_layout_reason(engine: Engine, layout: str) -> str | None:
     return reason if reason is not None or hook is None else hook(layout)
 
 
-__all__ = ["ORACLE_CALLS", "note_oracle_call", "ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CoreOps", "CorrectionOps", "Engine",
+__all__ = ["ORACLE_CALLS", "note_oracle_call", "ELEMENT_FORMATS", "GEMM_KINDS", "QUANT_KINDS", "CapabilityMap", "CheckpointOps", "CoreOps", "CorrectionOps", "Engine",
            "EngineError", "KVOps", "RolloutOps", "Unsupported", "capability_reason", "checkpoint_format_reason",
            "CHECKPOINT_LAYOUTS", "checkpoint_layout_reason",
            "import_failure", "per_tensor_kv_input"]

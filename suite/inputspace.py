@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fp8rl.reference.quant import GRANULARITY_KINDS
 
 #: sizes around the usual kernel tiles, per dimension
 TILES = (64, 128, 256)
@@ -233,7 +234,7 @@ MODEL: dict[str, OpModel] = {m.op: m for m in (
     OpModel("round_bf16", "formats", (*_axes("x", dtypes=("fp32",), sizes=False),), _classify_round_bf16,
             "round_bf16(x): fp32 → bf16, any shape and layout"),
     OpModel("quantize", "quantization",
-            (*_axes("x"), Axis("arg.kind", ("tensor", "token", "channel", "group", "block")),
+            (*_axes("x"), Axis("arg.kind", GRANULARITY_KINDS),
              Axis("arg.group_size", ("128", "other")), Axis("arg.block_size", ("128x128", "other"))),
             _classify_quantize, "quantize(x, granularity): fp32/bf16/fp16 x (2-D; token, group and tensor also "
                                 "N-D), any layout, any group/block size"),

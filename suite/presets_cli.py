@@ -13,18 +13,17 @@ from typing import Any
 
 from fp8rl.exitcodes import EXIT_OK, EXIT_USAGE
 
-QUANT_KINDS = ("tensor", "token", "channel", "group", "block")
-
 
 def declared_presets(engine: Any) -> dict[str, dict[str, Any]]:
     """granularity kind → the preset the engine declares for it (name, formula, provenance, verification status),
     for every ``quantize.<kind>`` the engine supports. A policy that is not a preset (or differs from the preset of
     its name) has provenance None and says so."""
     from fp8rl.reference.presets import PRESETS, PROVENANCE, VERIFICATION, formula
+    from fp8rl.reference.quant import GRANULARITY_KINDS
 
     caps = engine.capabilities()
     out: dict[str, dict[str, Any]] = {}
-    for kind in QUANT_KINDS:
+    for kind in GRANULARITY_KINDS:
         if caps.get(f"quantize.{kind}") is not True:
             continue
         try:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from functools import cache
+from typing import cast
 
 import numpy as np
 import torch
 from fp8rl.reference.formats import decode_codes, get_format
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import PRESETS
-from fp8rl.reference.quant import Granularity, GranularityKind, expand_scale
+from fp8rl.reference.quant import GRANULARITY_KINDS, Granularity, GranularityKind, expand_scale
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -245,7 +246,7 @@ def block_shapes(draw, block: int | tuple[int, int] = (8, 16), *, max_row_blocks
     return (1, bk * huge_k_blocks + draw(st.integers(0, bk - 1)))
 
 
-def granularities(kinds: Sequence[GranularityKind] = ("tensor", "token", "channel", "group", "block"), *,
+def granularities(kinds: Sequence[GranularityKind] = cast("tuple[GranularityKind, ...]", GRANULARITY_KINDS), *,
                   group_sizes: Sequence[int] = (4, 8, 16), block_sizes: Sequence[int | tuple[int, int]] = (
                       4, (4, 8), (8, 4))) -> st.SearchStrategy[Granularity]:
     """Granularities of the given kinds with small (CI-sized) group and block sizes."""

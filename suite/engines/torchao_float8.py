@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from fp8rl import capabilities
-from fp8rl.capabilities import ELEMENT_FORMATS
+from fp8rl.capabilities import ELEMENT_FORMATS, QUANT_KINDS
 from fp8rl.engine import CapabilityMap, Engine, Unsupported, import_failure
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
@@ -105,7 +105,7 @@ class TorchaoEngine(Engine):
         for f in ELEMENT_FORMATS:
             caps[f"cast.{f}"] = True
         caps["cast.bf16"] = _NOT_TORCHAO.format(what="fp32 → bf16 rounding of its own (it is torch's .to(bfloat16))")
-        for k in ("tensor", "token", "channel", "group", "block"):
+        for k in QUANT_KINDS:
             caps[f"quantize.{k}"] = True
         caps["quantize_nonfinite"] = True
         caps["gemm.block"] = _TRITON.format(what="blockwise_fp8_gemm (Float8Tensor's 1x128 x 128x128 linear)",
@@ -143,8 +143,8 @@ class TorchaoEngine(Engine):
         return "saturate"
 
     def scale_policy(self, kind: str) -> ScalePolicy:
-        if kind not in ("tensor", "token", "channel", "group", "block"):
-            raise ValueError(f"kind: expected one of tensor, token, channel, group, block, got {kind!r}")
+        if kind not in QUANT_KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(QUANT_KINDS)}, got {kind!r}")
         return get_policy(PRESET)
 
     # -- ops -----------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported, import_failure
+from fp8rl.engine import QUANT_KINDS, CapabilityMap, Engine, EngineError, Unsupported, import_failure
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
@@ -427,7 +427,7 @@ class VerlTritonEngine(Engine):
         return [first, TRITON_ARITH_NOTE]
 
     def capabilities(self) -> CapabilityMap:
-        keys = [f"quantize.{k}" for k in ("tensor", "token", "channel", "group", "block")] + ["weight_sync"]
+        keys = [f"quantize.{k}" for k in QUANT_KINDS] + ["weight_sync"]
         corr = ["rollout_correction", "rollout_correction.geometric", "rollout_correction.veto",
                 "rollout_correction.loss"]
         if self._fk is None:

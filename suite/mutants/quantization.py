@@ -11,6 +11,7 @@ from fp8rl.engines.reference import ReferenceEngine
 from fp8rl.reference import microscaling as mx
 from fp8rl.reference.formats import decode_codes, encode_codes
 from fp8rl.reference.quant import (
+    GRANULARITY_KINDS,
     Granularity,
     QuantizedTensor,
     compute_amax,
@@ -167,7 +168,7 @@ class _PresetMutant(ReferenceEngine):
 
     def __init__(self):
         truth = PRESET_MUTATIONS[self.mutation][0]
-        super().__init__(dict.fromkeys(("tensor", "token", "channel", "group", "block"), truth))
+        super().__init__(dict.fromkeys(GRANULARITY_KINDS, truth))
 
     def quantize(self, x, granularity):
         return PRESET_MUTATIONS[self.mutation][2](x, granularity, self.scale_policy(granularity.kind))

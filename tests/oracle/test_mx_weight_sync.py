@@ -28,8 +28,15 @@ def _sd() -> dict[str, torch.Tensor]:
     return {k: torch.randn(*s, generator=g).to(torch.bfloat16) for k, s in t.items()}
 
 
-def test_capability_table_names_the_oracle_recipes_exact():
-    assert capabilities.MX_SYNC_RECIPES == tuple(mxws.MX_SYNC_RECIPES)
+def test_capability_table_sync_recipes_quantize_with_table_recipes_exact():
+    """Each ``mx_weight_sync.<recipe>`` key names an oracle sync recipe whose element recipe has its own
+    ``mx_quantize.<recipe>`` key: the sync checks judge an engine's codes under its declared mx_policy of it."""
+    sync_keys = capabilities.keys(prefix="mx_weight_sync.")
+    assert sync_keys
+    for key in sync_keys:
+        recipe = mxws.get_mx_sync_recipe(key.split(".", 1)[1])
+        assert f"mx_quantize.{recipe.mx_recipe}" in capabilities.CAPABILITIES, (key, recipe)
+        assert "mx_policy" in capabilities.get(key).ops, key
 
 
 def test_mxfp8_quantizes_every_projection_and_nvfp4_experts_only_routed_experts_exact():

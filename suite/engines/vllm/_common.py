@@ -38,6 +38,13 @@ def _vllm_version() -> str:
     return str(getattr(vllm, "__version__", "?"))
 
 
+#: a platform as :func:`_platform` describes one, standing in for it where the capability keys are listed without
+#: running vLLM (each part's ``CAP_KEYS``): every ``_caps_*`` declares the same keys on every platform, only their
+#: values (True or the reason) depend on it
+STAND_IN_PLATFORM: dict[str, Any] = {"device": "cpu", "is_cpu": True, "fp8_dtype": torch.float8_e4m3fn,
+                                     "avx512": True, "amx": True}
+
+
 @functools.lru_cache(maxsize=1)
 def _platform() -> dict[str, Any]:
     import vllm  # noqa: F401

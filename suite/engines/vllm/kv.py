@@ -33,13 +33,11 @@ import math
 import torch
 from fp8rl.engine import CapabilityMap, Unsupported, per_tensor_kv_input
 
-from ._common import _vllm_config, _vllm_version
+from ._common import STAND_IN_PLATFORM, _vllm_config, _vllm_version
 
 #: suite KV format → vLLM ``kv_cache_dtype`` string
 KV_DTYPES: dict[str, str] = {"e4m3fn": "fp8_e4m3", "e5m2": "fp8_e5m2"}
 _KV_BLOCK = 32  # CPU_ATTN kernel block sizes: multiples of 32
-#: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
-CAP_KEYS: tuple[str, ...] = ("kv.store", "kv.attention", "kv.calibrate", "kv.forward", "kv.update_scales")
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,3 +207,8 @@ class VllmKVMixin:
         out = self.kv_attention(q, kc, vc, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                 sm_scale=sm_scale)
         return kvref.KVForward(out, kc, vc, kvref.KVScales.of(qs, ks, vs))
+
+
+#: the capability keys of this part, as :meth:`VllmKVMixin._caps_kv` declares them (each carries the engine-wide
+#: reason when vLLM cannot run here)
+CAP_KEYS: tuple[str, ...] = tuple(VllmKVMixin._caps_kv("", STAND_IN_PLATFORM))

@@ -21,12 +21,6 @@ from fp8rl.engine import CapabilityMap, Unsupported
 
 from ._common import _vllm_version, vllm_reason
 
-#: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
-CAP_KEYS: tuple[str, ...] = ("weight_sync", "rollout", "update_weights", "rollout.bf16", "rollout.fp8-linear",
-                             "rollout.fp8-linear-ptpc", "rollout.fp8-kv", "rollout.fp8-all", "rollout.mxfp8",
-                             "rollout.nvfp4-experts", "rollout.logits",
-                             "checkpoint.load", "checkpoint.score", "checkpoint.write", "checkpoint.attention_scales")
-
 
 def row_seed(seed: int, row: int) -> int:
     """The per-request seed of row ``row`` of a batch sampled with ``seed``: vLLM seeds one generator per request,
@@ -323,6 +317,11 @@ class VllmLLMMixin:
                                                                                   dtype=torch.float32)
         tokens = torch.cat([prompts.cpu().long(), torch.tensor(toks, dtype=torch.int64)], dim=1)
         return tokens, torch.tensor(lps, dtype=torch.float32), logits
+
+
+#: the capability keys of this part, as :meth:`VllmLLMMixin._caps_e2e` declares them (each carries the engine-wide
+#: reason when vLLM cannot run here)
+CAP_KEYS: tuple[str, ...] = tuple(VllmLLMMixin._caps_e2e(""))
 
 
 def generate_scheduled_together(llm: Any, reqs: list, sps: Any) -> list:

