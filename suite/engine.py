@@ -15,7 +15,9 @@ The engine *declares* the numerics it implements, so that checks compare like wi
 :class:`~fp8rl.reference.quant.ScalePolicy` its quantizer follows for a granularity kind. A check then demands
 bit-exact agreement with the oracle *under the declared policy*.
 
-"Bring your kernel": subclass :class:`fp8rl.engines.reference.ReferenceEngine` and override single ops.
+"Bring your kernel" (docs/vendor-guide.md): subclass :class:`Engine`, implement the ops your code has and declare only
+those capabilities. An op inherited from :class:`fp8rl.engines.reference.ReferenceEngine` runs fp8rl's oracle: its
+cases are reported as the oracle's and never certify the engine (docs/verdict.md §1).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Runs the conformance suite (pytest in a supervised child process, :func:`run_supervised`) and turns per-check
 results into reports.
 
-``run_conformance`` is what ``fp8rl conformance`` and ``fp8rl mutants`` call; the pytest plugin calls
-``build_report``/``write_results`` at the end of a session.
+``pytest_args`` and ``run_supervised`` are what ``fp8rl conformance`` and ``fp8rl mutants`` call (through
+``fp8rl.cli``); the pytest plugin calls ``build_report``/``write_results`` at the end of a session, and
+``report_from_journal`` rebuilds the reports of a run whose pytest process died.
 """
 
 from __future__ import annotations

@@ -345,9 +345,7 @@ def _note_oracle_ops(cls: type) -> None:
 
     protocol = {n for k in Engine.__mro__ if k.__module__ == "fp8rl.engine" for n in vars(k) if not n.startswith("_")}
     for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("_") and name in protocol | {
-                "checkpoint_write", "checkpoint_write_channel", "checkpoint_load", "checkpoint_score",
-                "checkpoint_attention_scales", "proximal_logp", "decoupled_loss"}:
+        if callable(value) and not name.startswith("_") and name in protocol:
             setattr(cls, name, _noting_oracle_call(value))
 
 
