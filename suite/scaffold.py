@@ -2,8 +2,8 @@
 checklists name (docs/commands.md, "Add a check" / "Add an engine"), and nowhere else.
 
 A check (:func:`scaffold_check`) is at most four files: the check in ``conformance/test_<area>.py`` (its spec
-sentence, bound and required capabilities), a new bound in ``suite/tolerances.py`` (only when it names one the table
-lacks; its derivation to write), a mutant with ``kills=`` in ``suite/mutants/<area>.py``, and the vendor xfails of an
+sentence, bound and required capabilities), a new bound in the tolerance table ``suite/tolerances/<area module>.py`` (only when it names
+one the table lacks; its derivation to write), a mutant with ``kills=`` in ``suite/mutants/<area>.py``, and the vendor xfails of an
 engine that deviates (written by hand when a real engine fails it). The skeletons are honest: the check raises
 ``NotImplementedError`` (an ``error`` outcome, never a pass) and the mutant answers like the reference engine, so
 ``tests/checks/test_mutants.py`` reports it survived until both are written.
@@ -24,6 +24,11 @@ CHECK_ID = re.compile(r"^[A-Z][A-Z0-9]*(-[A-Z0-9]+)+$")
 ENGINE_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 #: test-function suffix by how a check is judged
 SUFFIX = {"exact": "_exact", "bound": "_bound", "stat": "_stat"}
+
+
+#: the module of the tolerance table (suite/tolerances/<module>.py) a new bound of an area goes to
+TOLERANCE_MODULE = {"formats": "quantization", "weight_sync": "e2e", "checkpoint": "quantization",
+                    "invariants": "quantization"}
 
 
 class ScaffoldError(ValueError):
@@ -48,8 +53,8 @@ def scaffold_check(root: Path, area: str, check_id: str, *, title: str | None = 
                    new_bound_value: float | None = None) -> list[Path]:
     """Write the skeleton of check ``check_id`` of ``area`` under the repository ``root``; returns the files touched.
 
-    ``bound``: the tolerance-table entry it is judged with; a name the table lacks is added to suite/tolerances.py
-    with ``new_bound_value`` and a derivation to write (ScaffoldError without a value). ``judged``: exact / bound /
+    ``bound``: the tolerance-table entry it is judged with; a name the table lacks is added to the area's module of
+    suite/tolerances/ with ``new_bound_value`` and a derivation to write (ScaffoldError without a value). ``judged``: exact / bound /
     stat (default: exact for the bound ``exact``, else bound) — the test function's suffix."""
     root = Path(root)
     if not CHECK_ID.match(check_id):
@@ -68,11 +73,15 @@ def scaffold_check(root: Path, area: str, check_id: str, *, title: str | None = 
     if judged not in SUFFIX:
         raise ScaffoldError(f"judged: expected one of {sorted(SUFFIX)}, got {judged!r}")
     touched = [checks_file]
-    tol_file = root / "suite" / "tolerances.py"
-    if f'_register(\n    "{bound}"' not in tol_file.read_text() and f'_register("{bound}"' not in tol_file.read_text():
+    tol_dir = root / "suite" / "tolerances"
+    known = "".join(f.read_text() for f in sorted(tol_dir.glob("*.py")))
+    if f'_register(\n    "{bound}"' not in known and f'_register("{bound}"' not in known:
         if new_bound_value is None:
-            raise ScaffoldError(f"bound: {bound!r} is not in suite/tolerances.py; give its value (--bound-value) to "
-                                "add it, then write its derivation")
+            raise ScaffoldError(f"bound: {bound!r} is not in the tolerance table (suite/tolerances/); give its value "
+                                "(--bound-value) to add it, then write its derivation")
+        tol_file = tol_dir / f"{TOLERANCE_MODULE.get(area, area)}.py"
+        if not tol_file.is_file():
+            tol_file = tol_dir / "quantization.py"
         const = _slug(bound).upper()
         _append(tol_file, f'{const} = _register(\n    "{bound}", {new_bound_value!r},\n'
                           f'    "TODO {check_id}: derive this bound (what it bounds, from which error terms)",\n)')

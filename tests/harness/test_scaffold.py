@@ -46,6 +46,10 @@ def test_scaffolded_check_and_engine_run_through_the_cli_exact(copy, tmp_path):
             "kv.store")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("wrote ") == 2  # the check and its mutant (the bound 'exact' exists): at most 4 files
+    r = run(copy, "scaffold", "check", "kv", "KV-SCAFFOLD-002", "--bound", "kv_scaffold_bound", "--bound-value",
+            "0.001", "--judged", "bound")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("wrote ") == 3 and "wrote suite/tolerances/kv.py" in r.stdout  # a new bound: one more file
     r = run(copy, "scaffold", "engine", "acme-test", "--tier", "trl")
     assert r.returncode == 0, r.stdout + r.stderr
     wrote = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("wrote ")]
@@ -55,13 +59,15 @@ def test_scaffolded_check_and_engine_run_through_the_cli_exact(copy, tmp_path):
     # the copy's fp8rl knows them: the check in the catalogue, the engine loadable, the check run
     cat = json.loads(run(copy, "checks", "--json").stdout)
     assert [c["id"] for c in cat if c["id"] == "KV-SCAFFOLD-001"] == ["KV-SCAFFOLD-001"]
+    (new,) = [c for c in cat if c["id"] == "KV-SCAFFOLD-002"]
+    assert new["bound"] == "kv_scaffold_bound" and "TODO KV-SCAFFOLD-002" in new["bounds"]["kv_scaffold_bound"]
     out = tmp_path / "ref"
-    r = run(copy, "conformance", "--engine", "reference", "--area", "kv", "-k", "scaffold", "--out", str(out))
+    r = run(copy, "conformance", "--engine", "reference", "--area", "kv", "-k", "scaffold_001", "--out", str(out))
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     (c,) = json.loads((out / "report.json").read_text())["checks"]
     assert c["id"] == "KV-SCAFFOLD-001" and c["outcome"] == "error" and "is a scaffold" in c["message"]
     out = tmp_path / "eng"
-    r = run(copy, "conformance", "--engine", "acme-test", "--area", "kv", "-k", "scaffold", "--out", str(out))
+    r = run(copy, "conformance", "--engine", "acme-test", "--area", "kv", "-k", "scaffold_001", "--out", str(out))
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]  # it declares nothing yet: nothing certified
     assert json.loads((out / "report.json").read_text())["engine"]["name"] == "acme-test"
     # a second scaffold of the same names is refused, naming the argument
