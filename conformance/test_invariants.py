@@ -642,3 +642,31 @@ def test_layer_state_isolated_exact(engine, fmt, seed, rng):
     engine.kv_forward(layers[0], q * 4, k * 4, v * 4, fmt=fmt)  # layer 0 recalibrates from this batch
     _same_forward(ref, engine.kv_forward(layers[1], q, k, v, fmt=fmt),
                   "after resetting layer 0 (scales=None) and running it")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(FINITE_CASES))
+@check("INV-STATE-001", "An op's result depends on its arguments only: quantizing input B right after input A of the "
+       "same shape (A's amax 1000x B's) gives bit for bit what quantizing B alone gives (scales and codes), for every "
+       "granularity kind in fp32 and bf16 — no scale, amax or code cached from an earlier call (keyed by shape, "
+       "layer or tensor name) is reused.", bound="exact", requires=["quantize.{kind}"])
+def test_results_depend_on_arguments_only_exact(engine, kind, dtype, rng):
+    g, shape = FINITE_CASES[kind]
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    b = scaled_normal(rng, shape, spread=4).to(tdtype)
+    a = (b.float() * 1000.0 + 1.0).to(tdtype)  # same shape, other values: another amax in every group
+    S.skip_if_limited(engine, "quantize", f"dtype.x={dtype}")
+    alone = engine.quantize(b.clone(), g)
+    engine.quantize(a, g)
+    after = engine.quantize(b.clone(), g)
+    what = f"quantize[{kind}] {dtype} {tuple(shape)}"
+    same_scale = torch.equal(alone.scale.view(torch.uint8), after.scale.view(torch.uint8))
+    same_codes = torch.equal(alone.codes, after.codes)
+    if not (same_scale and same_codes):
+        diff = (alone.scale != after.scale).nonzero()[:1].tolist()
+        ncodes = int((alone.codes != after.codes).sum())
+        raise AssertionError(f"{what}: quantizing B after A differs from quantizing B alone: "
+                             f"{int((alone.scale != after.scale).sum())} scales differ (first at {diff}: alone "
+                             f"{alone.scale.reshape(-1)[0].item() if not diff else alone.scale[tuple(diff[0])].item()!r}, "
+                             f"after {after.scale.reshape(-1)[0].item() if not diff else after.scale[tuple(diff[0])].item()!r}), "
+                             f"{ncodes} codes differ: the op keeps state from an earlier call")

@@ -104,4 +104,25 @@ class KVResetAllLayers(ReferenceEngine):
         return super().kv_update_scales(layer, scales)
 
 
-__all__ = ["CorrectionLossOldLogpGrad", "Fp16ScaleUnderflow", "KVResetAllLayers", "KVStoreHalfNaN", "QuantizeInPlace"]
+@mutant("delayed-scaling", "the quantizer declares dynamic scaling but scales each tensor with the amax of the "
+        "previous call of the same shape and granularity (delayed scaling, as TransformerEngine's amax history does, "
+        "used where the recipe is dynamic): a tensor's codes depend on what was quantized before it",
+        kills=("INV-STATE-001",))
+class DelayedScaling(ReferenceEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self._previous: dict[tuple, torch.Tensor] = {}
+
+    def quantize(self, x, granularity):
+        policy = self.scale_policy(granularity.kind)
+        key = (tuple(x.shape), granularity)
+        own = super().quantize(x, granularity).scale
+        scale = self._previous.get(key, own)
+        self._previous[key] = own
+        return QuantizedTensor(quantize_with_scale(x, scale, granularity, policy), scale.clone(), granularity, policy)
+
+
+__all__ = ["CorrectionLossOldLogpGrad", "Fp16ScaleUnderflow", "KVResetAllLayers", "KVStoreHalfNaN", "QuantizeInPlace",
+           "DelayedScaling"]
+
+
