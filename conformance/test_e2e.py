@@ -5,7 +5,7 @@ The engine generates from fixed prompts under each numerics recipe (``bf16``, ``
 mismatch — k3 KL, token_mult_prob_error, max |Δlogp|, first divergence of greedy decoding — must stay within
 budgets set from the measured distribution of the reference FP8 emulation with margins (``fp8rl.tolerances``,
 entries ``e2e.*``, registered from the data file ``fp8rl/data/e2e_budgets.json`` that
-``python -m fp8rl.conformance._e2e --seeds 10 --write`` writes).
+``python -m fp8rl.conformance._e2e_calibrate --seeds 10 --write`` writes).
 After ``update_weights`` the rollout must follow the new weights, including freshly calibrated FP8 KV scales.
 The report gets a ``mismatch`` section: the table per model and recipe and a plot of |Δlogp| along the sequence.
 The architecture-variant fixtures (``tiny-qwen2-moe``: shared expert + gate, no QK-norm, q/k/v biases;

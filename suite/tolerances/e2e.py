@@ -16,7 +16,7 @@ from ._registry import _register, get
 # Weight sync is checked bit-exactly ('exact') plus 'quant_roundtrip' for the dequantized weights. The e2e budgets
 # are empirical: the measured distribution of the reference FP8 emulation per model × recipe × metric, the method
 # and each calibration's metadata live in the data file E2E_BUDGETS_FILE (package data of fp8rl), written by
-# ``python -m fp8rl.conformance._e2e --seeds 10 --write``; this module loads it and registers one entry
+# ``python -m fp8rl.conformance._e2e_calibrate --seeds 10 --write``; this module loads it and registers one entry
 # 'e2e.<metric>.<model>.<recipe>' per measured metric (margin rule below).
 
 #: the e2e budgets data file, relative to the fp8rl package

@@ -61,13 +61,13 @@ def _fake_samples(models, recipes, n_runs):
 
 
 def test_calibration_command_writes_the_budgets_file(tmp_path, monkeypatch):
-    """`python -m fp8rl.conformance._e2e --out PATH` (the writer of --write) round-trips through the loader: the
-    re-measured entries with a calibration record, the rest of the installed file (method, margins, other
+    """`python -m fp8rl.conformance._e2e_calibrate --out PATH` (the writer of --write) round-trips through the
+    loader: the re-measured entries with a calibration record, the rest of the installed file (method, margins, other
     entries) kept, and the installed file untouched."""
     import torch
     import transformers
     from fp8rl import tolerances as T
-    from fp8rl.conformance import _e2e as E
+    from fp8rl.conformance import _e2e_calibrate as C
 
     calls = []
 
@@ -75,11 +75,11 @@ def test_calibration_command_writes_the_budgets_file(tmp_path, monkeypatch):
         calls.append((n_seeds, models, recipes))
         return _fake_samples(models, recipes, 2 * n_seeds * n_sampling)
 
-    monkeypatch.setattr(E, "calibrate", fake_calibrate)
+    monkeypatch.setattr(C, "calibrate", fake_calibrate)
     installed = T.load_e2e_budgets()
     out = tmp_path / "budgets.json"
     argv = ["--seeds", "3", "--models", "tiny-qwen3", "--recipes", "fp8-kv", "bf16", "--out", str(out)]
-    assert E.main(argv) == 0
+    assert C.main(argv) == 0
     assert calls == [(3, ("tiny-qwen3",), ("fp8-kv", "bf16"))]
     doc = T.load_e2e_budgets(out)
     for recipe in ("fp8-kv", "bf16"):
@@ -88,7 +88,7 @@ def test_calibration_command_writes_the_budgets_file(tmp_path, monkeypatch):
         assert entry["first_div_mean"] == {"min": 1.75, "median": 4.75, "max": 6.75, "n": 6}
         assert set(entry) == {"calibration", *doc["margins"]}  # only the budgeted metrics
         cal = doc["calibrations"][entry["calibration"]]
-    assert cal["command"] == "python -m fp8rl.conformance._e2e " + " ".join(argv)
+    assert cal["command"] == "python -m fp8rl.conformance._e2e_calibrate " + " ".join(argv)
     assert (cal["n_seeds"], cal["runs_per_case"], cal["models"], cal["recipes"]) == (3, 6, ["tiny-qwen3"],
                                                                                    ["fp8-kv", "bf16"])
     assert (cal["torch"], cal["transformers"]) == (torch.__version__, transformers.__version__) and cal["date"]
@@ -108,7 +108,7 @@ def test_budgets_loader_rejects_inconsistent_files(tmp_path):
     import copy
 
     from fp8rl import tolerances as T
-    from fp8rl.conformance import _e2e as E
+    from fp8rl.conformance import _e2e_calibrate as C
 
     good = T.load_e2e_budgets()
     bad_cases = {
@@ -122,11 +122,11 @@ def test_budgets_loader_rejects_inconsistent_files(tmp_path):
         doc = copy.deepcopy(good)
         edit(doc)
         path = tmp_path / "bad.json"
-        path.write_text(E.dump_budgets(doc))
+        path.write_text(C.dump_budgets(doc))
         with pytest.raises(ValueError):
             T.load_e2e_budgets(path)
         with pytest.raises(ValueError):
-            E.write_budgets(doc, str(tmp_path / f"{what}.json"))
+            C.write_budgets(doc, str(tmp_path / f"{what}.json"))
         assert not (tmp_path / f"{what}.json").exists()
 
 
@@ -136,7 +136,7 @@ def test_tiny_real_calibration_round_trips(tmp_path):
     from fp8rl import tolerances as T
 
     out = tmp_path / "budgets.json"
-    r = subprocess.run([sys.executable, "-m", "fp8rl.conformance._e2e", "--seeds", "1", "--models", "tiny-qwen3",
+    r = subprocess.run([sys.executable, "-m", "fp8rl.conformance._e2e_calibrate", "--seeds", "1", "--models", "tiny-qwen3",
                         "--recipes", "bf16", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     entry = T.load_e2e_budgets(out)["measured"]["tiny-qwen3"]["bf16"]

@@ -252,7 +252,9 @@ def test_run_seed_reaches_hypothesis_and_e2e_sampling():
     assert not settings.default.derandomize and settings.default.database is None  # seed 7: --hypothesis-seed 7
     strategies.load_profile("ci")
     assert E.sampling_seed(0) == E.SAMPLE_SEED and E.sampling_seed(7) == E.SAMPLE_SEED + 7
-    assert E.calibration_sampling_seed(0, 0, 20) > E.sampling_seed(10_000)  # calibration seeds held out
+    from fp8rl.conformance._e2e_calibrate import calibration_sampling_seed
+
+    assert calibration_sampling_seed(0, 0, 20) > E.sampling_seed(10_000)  # calibration seeds held out
     from fp8rl.runner import pytest_args
 
     assert "--hypothesis-seed=7" in pytest_args(["torch"], profile="ci", out_dir=Path("x"), seed=7)
