@@ -31,6 +31,14 @@ Pipeline (``T`` = target max, ``fl`` = fp32 rounding, ``R`` = fl then the comput
    ``s = finfo(D).eps`` where ``s == 0`` (D: the dtype of the scale arithmetic; :func:`zero_scale_to_dtype_eps`).
 7. codes: ``q = R(x/s)``, ``R(x·R(1/s))`` or ``R(x·m)`` (``quant_op``), ``clamp(q, -T, T)`` if ``clamp``, then the
    RNE cast with the ``overflow`` policy.
+
+The definition and the fast path: :func:`fp8rl.reference.quant_plain.quantize_plain` is the oracle's definition of
+this pipeline — :func:`~fp8rl.reference.quant_plain.compute_amax_plain` → :func:`scale_from_amax` →
+:func:`~fp8rl.reference.quant_plain.quantize_with_scale_plain`, whole-tensor torch steps, one per formula.
+:func:`quantize` (and :func:`compute_amax`, :func:`quantize_with_scale`) is an optimisation of it — fp32 quotients
+strip by strip in numpy on several threads, the table encoder — that must equal it bit for bit, codes and scales
+(tests/oracle/test_quant_fast_path.py: every class of the quantize input space × granularity × preset, and
+hypothesis-drawn edge values); the oracle's speed matters (``python -m fp8rl.perf.suite_speed``).
 """
 
 from __future__ import annotations
@@ -244,6 +252,9 @@ def compute_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     Edge groups/blocks of non-divisible shapes use only their real elements. A NaN anywhere in a group makes its
     amax NaN (torch's max propagates NaN). CUDA kernels reducing with ``fmaxf`` drop NaNs instead, so engines may
     differ on NaN inputs; every such difference is reported, not hidden.
+
+    Fast path (strips of rows in numpy, on threads) of :func:`fp8rl.reference.quant_plain.compute_amax_plain`, the
+    definition: equal to it bit for bit.
     """
     x = _as_input(x)
     shape = g.check_shape(tuple(x.shape))
@@ -442,10 +453,14 @@ def _expand(t: torch.Tensor, g: Granularity, shape: tuple[int, ...]) -> torch.Te
         return t.reshape([1] * len(shape)).expand(shape)
     if g.kind in ("token", "channel"):
         return t.expand(shape)
+    # each group's value repeated over its G columns (its Bm×Bn tile), cut to the shape (ragged edges); by
+    # broadcasting: torch's repeat_interleave along dim 1 took milliseconds on a (128, 3) tensor
     if g.kind == "group":
-        return t.repeat_interleave(g.size[1], dim=-1)[..., : shape[-1]]
+        gs = g.size[1]
+        return t.unsqueeze(-1).expand(*t.shape, gs).reshape(*t.shape[:-1], -1)[..., : shape[-1]]
     bm, bn = g.size
-    return t.repeat_interleave(bm, dim=0).repeat_interleave(bn, dim=1)[: shape[0], : shape[1]]
+    nm, nn = t.shape
+    return t[:, None, :, None].expand(nm, bm, nn, bn).reshape(nm * bm, nn * bn)[: shape[0], : shape[1]]
 
 
 def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> torch.Tensor:
@@ -473,8 +488,9 @@ def _apply_per_group(x: torch.Tensor, t: torch.Tensor, g: Granularity, op) -> to
 # the fp32 operation of the whole-tensor formula (max is exact; x/s and x·m are the same IEEE operation on the same
 # operand pair), so amax and codes are bit-identical to it; only the order of independent elementwise passes
 # changes, so that a strip's intermediates stay in cache between them and no tensor-sized temporary is allocated.
-# tests/oracle/test_reference_formats.py (test_quantize_fast_path_*) compares both forms on every granularity, distinct
-# preset, edge shape and special value.
+# It is the fast path of fp8rl.reference.quant_plain (the definition: whole-tensor torch steps);
+# tests/oracle/test_quant_fast_path.py compares both on every input class, granularity, preset, strip size and
+# special value.
 
 #: elements per strip (fp32: 512 KiB, so a strip and its code table indexes stay in cache)
 _STRIP_ELEMS = 1 << 17
@@ -648,6 +664,9 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, g: Granularity, po
     op); then clamp(q, -T, T) if ``policy.clamp``; then the RNE cast with ``policy.overflow``. R rounds to x's own
     dtype under ``compute_dtype="input"`` (so pass x in the dtype it was quantized from); under ``"scale_input"``
     only R(1/s) and m are, q is fl32.
+
+    An optimisation (fp32 quotients strip by strip, the table encoder) of
+    :func:`fp8rl.reference.quant_plain.quantize_with_scale_plain`, the definition: equal to it bit for bit.
     """
     policy = get_policy(policy)
     in_dtype = x.dtype if isinstance(x, torch.Tensor) else None
@@ -688,6 +707,13 @@ def quantize(x: torch.Tensor, g: Granularity, policy: ScalePolicy | str = "refer
 
     ``x``: fp32, bf16 or fp16 tensor (upcast to fp32 exactly), non-empty, shape valid for ``g``; its dtype is the
     input dtype of ``compute_dtype="input"`` and ``multiplier_overflow="input_max"``.
+
+    The fast path of :func:`fp8rl.reference.quant_plain.quantize_plain`, the oracle's definition: the same formulas
+    with the fp32 amax and quotients evaluated strip by strip in numpy on ``torch.get_num_threads()`` threads and the
+    cast through the encoder's lookup table. It must equal ``quantize_plain`` bit for bit — codes and scales
+    (tests/oracle/test_quant_fast_path.py); the one freedom is the sign of a NaN code where both factors of the
+    quotient are NaN (a NaN element in a group whose reciprocal or multiplier is NaN), which IEEE 754 leaves to the
+    vector unit.
     """
     if not isinstance(g, Granularity):
         raise TypeError(f"granularity: expected a Granularity, got {type(g).__name__}")

@@ -27,6 +27,7 @@ from fp8rl.reference.quant import (
     quantize_with_scale,
     scale_from_amax,
 )
+from fp8rl.reference.quant_plain import quantize_plain, quantize_with_scale_plain
 from fp8rl.strategies import (
     amax_near_pow2_boundaries,
     block_shapes,
@@ -466,22 +467,30 @@ def test_multiplier_floor_pow2_matches_te_rule_exact():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hand-computed cases
+# Hand-computed cases: on the oracle's definition (fp8rl.reference.quant_plain) and on its fast path
+# (fp8rl.reference.quant.quantize; tests/oracle/test_quant_fast_path.py compares the two everywhere)
+
+QUANTIZERS = pytest.mark.parametrize("quantize", [quantize_plain, quantize], ids=["plain", "fast"])
+QUANTIZERS_WITH_SCALE = pytest.mark.parametrize("quantize_with_scale", [quantize_with_scale_plain, quantize_with_scale],
+                                                ids=["plain", "fast"])
 
 
-def test_all_ones_block_scale_and_codes_exact():
+@QUANTIZERS
+def test_all_ones_block_scale_and_codes_exact(quantize):
     qt = quantize(torch.ones(4, 8), Granularity.block(4), "reference")
     assert qt.scale.tolist() == [[float(f32(1) / f32(448))] * 2]  # s = fl32(1/448), computed independently
     assert (qt.codes == 0x7E).all()  # 1/s = 448·(1±2^-24) → RNE 448 = 1.75·2^8 → e=15, m=110 → 0x7E
 
 
-def test_max_times_scale_encodes_to_0x7e_exact():
+@QUANTIZERS_WITH_SCALE
+def test_max_times_scale_encodes_to_0x7e_exact(quantize_with_scale):
     x = torch.tensor([[224.0, -224.0, 112.0]])  # 448·0.5, -448·0.5, 224·0.5 with s = 0.5
     codes = quantize_with_scale(x, torch.tensor([[0.5]]), Granularity.token(), "reference")
     assert codes.tolist() == [[0x7E, 0xFE, 0x76]]
 
 
-def test_te_all_ones_block_pow2_exact():
+@QUANTIZERS
+def test_te_all_ones_block_pow2_exact(quantize):
     # m = 448/1 = 448 = 1.75·2^8 → mantissa zeroed → 256; scale = 1/256; 1·256 = 2^8 → e=15, m=000 → 0x78.
     qt = quantize(torch.ones(2, 4), Granularity.block(2), "te_blockwise_pow2")
     assert (qt.scale == 2.0**-8).all() and (qt.codes == 0x78).all()
@@ -489,7 +498,8 @@ def test_te_all_ones_block_pow2_exact():
     assert (z.scale == 1.0).all() and (z.codes == 0).all()  # TE: all zeros → scale_inv 1.0
 
 
-def test_div_vs_mul_recip_quant_op_differ_exact():
+@QUANTIZERS_WITH_SCALE
+def test_div_vs_mul_recip_quant_op_differ_exact(quantize_with_scale):
     # s = fl32(0.1) = 13421773·2^-27; x = fl32(0.19375) = 6501171·2^-25.
     # mul_recip: fl(1/s) = 10.0 (1/s = 9.99999985, within 0.16 ulp of 10); x·10 = 65011710·2^-25
     #   = 16252927.5·2^-23 → fp32 tie → even → 16252928·2^-23 = 1.9375, the e4m3 midpoint of 1.875 (0x3F, m=111)
@@ -512,12 +522,14 @@ def test_div_vs_mul_recip_max_scale_op_differ_exact():
     assert scale_from_amax(a, "vllm_triton_group").item() == 14380472 * 2.0**-31
 
 
-def test_vllm_min_scale_floor_exact():
+@QUANTIZERS
+def test_vllm_min_scale_floor_exact(quantize):
     qt = quantize(torch.zeros(3, 5), Granularity.token(), "vllm_per_token")
     assert (qt.scale == float(f32(1.0 / (448.0 * 512.0)))).all() and (qt.codes == 0).all()
 
 
-def test_rocm_fnuz_clamps_at_224_exact():
+@QUANTIZERS
+def test_rocm_fnuz_clamps_at_224_exact(quantize):
     qt = quantize(torch.tensor([[1.0, -2.0, 0.0]]), Granularity.token(), "rocm_fnuz")
     assert qt.scale.item() == float(f32(2.0) / f32(224.0))
     assert qt.values().tolist() == [[112.0, -224.0, 0.0]]  # -224 = 0xF7 in e4m3fnuz (bias 8), not 240
@@ -649,7 +661,8 @@ def test_bad_input_raises_exact(fn, exc, match):
         fn()
 
 
-def test_vllm_triton_ue8m0_zero_group_scale_exact():
+@QUANTIZERS
+def test_vllm_triton_ue8m0_zero_group_scale_exact(quantize):
     """Hand-worked: amax 0 → max(0, 1e-10)·fl(1/448) ≈ 2.23e-13 → 2^ceil(log2) = 2^-42 on the Triton fallback; the
     CUDA kernel floors the *scale* at 1e-10 first → 2^ceil(log2 1e-10) = 2^-33."""
     x = torch.zeros(2, 128)
