@@ -227,7 +227,7 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                     "reference-channel", "--writer", "torchao", "--writer", "compressed-tensors", "--writer",
                     "compressed-tensors-channel", "--loader", "reference", "--loader", "hf-fp8", "--out",
                     "fp8rl-checkpoint-matrix"),),
-         pytest=((*_ENGINE_TEST, "tests/engines/checkpoint/test_checkpoint_hf_engine.py",
+         pytest=((*_ENGINE_TEST, "tests/engines/checkpoint/test_hf_fp8_engine.py",
                   "tests/engines/checkpoint/test_torchao_engine.py", "tests/engines/checkpoint/test_torchao_mx_engine.py",
                   "tests/engines/checkpoint/test_compressed_tensors_engine.py"),),
          description="the FP8 checkpoint path's libraries: compressed-tensors 0.17.0's FP8 quantizer, compressor "

@@ -20,15 +20,15 @@ ENTRY_POINT_GROUP = "fp8rl.engines"
 #: short name → "module:factory" of the built-in engines (imported lazily)
 BUILTINS: dict[str, str] = {
     "reference": "fp8rl.engines.reference:ReferenceEngine",
-    "torch": "fp8rl.engines.torch_native:TorchEngine",
-    "torch-cuda": "fp8rl.engines.torch_native:TorchCudaEngine",
+    "torch": "fp8rl.engines.torch:TorchEngine",
+    "torch-cuda": "fp8rl.engines.torch:TorchCudaEngine",
     "verl": "fp8rl.engines.verl:VerlEngine",
     "hf": "fp8rl.engines.hf:HFEngine",
     "vllm": "fp8rl.engines.vllm:VllmEngine",
     "vllm-triton": "fp8rl.engines.vllm_triton:VllmTritonEngine",
     "vllm-triton-colmajor": "fp8rl.engines.vllm_triton:VllmTritonColMajorEngine",
     "vllm-triton-ue8m0": "fp8rl.engines.vllm_triton:VllmTritonUe8m0Engine",
-    "verl-triton": "fp8rl.engines.verl:VerlTritonEngine",
+    "verl-triton": "fp8rl.engines.verl_triton:VerlTritonEngine",
     "sglang": "fp8rl.engines.sglang:SglangEngine",
     "triton-interpret": "fp8rl.engines.triton_interpret:TritonInterpretEngine",
     "triton-interpret-faithful": "fp8rl.engines.triton_interpret:TritonInterpretFaithfulEngine",
@@ -36,12 +36,12 @@ BUILTINS: dict[str, str] = {
     "areal": "fp8rl.engines.areal:ArealEngine",
     "openrlhf": "fp8rl.engines.openrlhf:OpenRlhfEngine",
     "skyrl": "fp8rl.engines.skyrl:SkyrlEngine",
-    "hf-fp8": "fp8rl.engines.checkpoint_hf:HfFp8Engine",
+    "hf-fp8": "fp8rl.engines.hf_fp8:HfFp8Engine",
     "compressed-tensors": "fp8rl.engines.compressed_tensors:CompressedTensorsEngine",
-    "compressed-tensors-mx": "fp8rl.engines.mx_peers:CompressedTensorsMXEngine",
-    "vllm-mx": "fp8rl.engines.mx_peers:VllmMXEngine",
+    "compressed-tensors-mx": "fp8rl.engines.compressed_tensors_mx:CompressedTensorsMXEngine",
+    "vllm-mx": "fp8rl.engines.vllm_mx:VllmMXEngine",
     "torchao-mx": "fp8rl.engines.torchao_mx:TorchaoMXEngine",
-    "torchao": "fp8rl.engines.torchao_float8:TorchaoEngine",
+    "torchao": "fp8rl.engines.torchao:TorchaoEngine",
 }
 
 

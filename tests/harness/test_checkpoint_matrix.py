@@ -8,7 +8,7 @@ import pytest
 from fp8rl.checkpoint_cli import known_keys
 from fp8rl.cli import main
 from fp8rl.engine import Engine
-from fp8rl.engines.checkpoint_hf import HfFp8Engine
+from fp8rl.engines.hf_fp8 import HfFp8Engine
 
 
 def test_matrix_conformant_and_deviation_cells(tmp_path):

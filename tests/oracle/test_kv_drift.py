@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from fp8rl import tolerances
-from fp8rl.engines.torch_native import TorchEngine
+from fp8rl.engines.torch import TorchEngine
 from fp8rl.reference import drift
 from fp8rl.reports import render_section_plots, summarize, validate
 from support import REPO_ROOT

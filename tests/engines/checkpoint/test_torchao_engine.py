@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from fp8rl.engine import capability_reason
-from fp8rl.engines.torchao_float8 import TorchaoEngine
+from fp8rl.engines.torchao import TorchaoEngine
 from fp8rl.reference.formats import decode_codes, encode
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy

@@ -1,4 +1,4 @@
-"""The microscaling peer engines (fp8rl.engines.mx_peers: compressed-tensors-mx, vllm-mx): behaviour without the
+"""The microscaling peer engines (fp8rl.engines.compressed_tensors_mx and fp8rl.engines.vllm_mx): behaviour without the
 packages (base environment) and, in the ``conformance_vllm`` environment, executable evidence of every finding in
 conformance/vendors/compressed-tensors-mx.xfails and of each preset's exponent rule, calling the installed packages."""
 
@@ -8,7 +8,8 @@ import importlib.util
 
 import pytest
 import torch
-from fp8rl.engines import mx_peers as P
+from fp8rl.engines.compressed_tensors_mx import CompressedTensorsMXEngine
+from fp8rl.engines.vllm_mx import VllmMXEngine
 from fp8rl.reference import microscaling as mx
 from fp8rl.vendor_files import parse_id_file
 from support import REPO_ROOT
@@ -26,7 +27,7 @@ def test_xfails_file_parses_and_names_mx_checks():
 
 @pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is not None, reason="compressed-tensors installed")
 def test_without_compressed_tensors_every_capability_has_a_reason():
-    caps = P.CompressedTensorsMXEngine().capabilities()
+    caps = CompressedTensorsMXEngine().capabilities()
     assert caps and all(isinstance(v, str) and "conformance_vllm" in v for v in caps.values())
 
 
@@ -34,7 +35,7 @@ def test_without_compressed_tensors_every_capability_has_a_reason():
 def test_ct_nvfp4_zero_block_scale_is_eps_exact():
     """Finding MX-EXACT-001[nvfp4]: an all-zero 16-block gets the E4M3 scale 0.125 (code 0x20), not 0."""
     x = torch.tensor([[6.0] * 16 + [0.0] * 16])
-    q = P.CompressedTensorsMXEngine().mx_quantize(x, "nvfp4")
+    q = CompressedTensorsMXEngine().mx_quantize(x, "nvfp4")
     assert q.scales.tolist() == [[0x7E, 0x20]]
     assert mx.mx_quantize(x, "ct_nvfp4").scales.tolist() == [[0x7E, 0x00]]
     assert q.codes()[0, 16:].tolist() == [0] * 16  # the elements still dequantize to 0
@@ -43,7 +44,7 @@ def test_ct_nvfp4_zero_block_scale_is_eps_exact():
 @CT
 def test_ct_mx_exponent_rule_is_pow2_175_exact():
     """compressed-tensors' MX scale: amax's significand rounded up a binade from 1.75 (preset ct_mxfp8/ct_mxfp4)."""
-    e = P.CompressedTensorsMXEngine()
+    e = CompressedTensorsMXEngine()
     x = torch.zeros(3, 32)
     x[:, 0] = torch.tensor([448.0, 447.0, 511.0])
     q = e.mx_quantize(x, "mxfp8_e4m3")
@@ -61,7 +62,7 @@ def test_vllm_mxfp8_ceil_log2_rounds_down_exact():
     r = torch.tensor(2.0**8, dtype=torch.float32) * torch.tensor(1 + 2.0**-23, dtype=torch.float32)
     x = torch.zeros(1, 32)
     x[0, 0] = r * 448.0
-    q = P.VllmMXEngine().mx_quantize(x, "mxfp8_e4m3")
+    q = VllmMXEngine().mx_quantize(x, "mxfp8_e4m3")
     assert q.scales.tolist() == [[135]]
     assert int(q.data[0, 0]) == 0x7E  # 448
     assert mx.mx_quantize(x, "te_mxfp8").scales.tolist() == [[136]]
@@ -80,7 +81,7 @@ def test_vllm_nvfp4_packing_reads_back_low_nibble_first_exact():
 def test_vllm_nvfp4_zero_scale_block_signed_zeros_exact():
     """vLLM's ref_nvfp4_quant in a zero-scale block multiplies by get_reciprocal(0) = 1e-8: negatives give −0."""
     x = torch.tensor([[6.0] * 16 + [1e-9, -1e-9] * 8])
-    q = P.VllmMXEngine().mx_quantize(x, "nvfp4")
+    q = VllmMXEngine().mx_quantize(x, "nvfp4")
     assert q.scales.tolist() == [[0x7E, 0x00]] and q.codes()[0, 16:].tolist() == [0, 8] * 8
 
 
@@ -89,8 +90,8 @@ def test_vllm_nvfp4_underflowed_zero_scale_block_loses_the_sign_exact():
     """conformance/vendors/vllm-mx.xfails: once x·1e-8 underflows fp32, cast_to_fp4's torch.sign gives 0 and the
     negative elements of a zero-scale block are stored as +0 (the spec: −0, nibble 8)."""
     x = torch.linspace(-1, 1, 32).reshape(1, 32) * 2.0**-125
-    q = P.VllmMXEngine().mx_quantize(x, "nvfp4")
-    want = mx.mx_quantize(x, P.VllmMXEngine().mx_policy("nvfp4"))
+    q = VllmMXEngine().mx_quantize(x, "nvfp4")
+    want = mx.mx_quantize(x, VllmMXEngine().mx_policy("nvfp4"))
     assert q.scales.tolist() == want.scales.tolist() == [[0, 0]]
     assert q.codes()[0, :16].tolist() == [0] * 16 and want.codes()[0, :16].tolist() == [8] * 16
 

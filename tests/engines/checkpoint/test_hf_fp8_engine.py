@@ -11,7 +11,7 @@ import pytest
 import torch
 from fp8rl import fixtures
 from fp8rl.engine import capability_reason
-from fp8rl.engines.checkpoint_hf import HfFp8Engine
+from fp8rl.engines.hf_fp8 import HfFp8Engine
 from fp8rl.reference import checkpoint as ck
 from support import REPO_ROOT, assert_vendor_xfails_valid
 from support.upstream import pinned
