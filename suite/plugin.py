@@ -221,6 +221,18 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         it.user_properties.append(("fp8rl_check", meta))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A check answers to its id and to ``ID[case]`` in ``-k`` (``fp8rl conformance -k QUANT-EXACT-002`` or
+    ``-k 'KV-SPACE-001[dtype.x=fp16]'``), not only to its test function's name."""
+    spec = _item_spec(item)
+    if spec is not None:
+        item.extra_keyword_matches.add(spec.id)
+        case = _case(item)
+        if case:
+            item.extra_keyword_matches.add(f"{spec.id}[{case}]")
+
+
 def _deselect(config: pytest.Config, items: list[pytest.Item], checks: list, keep_if) -> list:
     keep = [(it, spec) for it, spec in checks if keep_if(it, spec)]
     kept = {id(it) for it, _ in keep}
@@ -462,8 +474,11 @@ class _RunState:
                 entry["outcome"] = props.get("fp8rl_outcome", "failed")
                 entry["message"] = _message(report)
                 if "fp8rl_seed" in props:
+                    label = f"{entry['id']}[{entry['case']}]" if entry.get("case") else entry["id"]
                     entry["message"] += (f"\n[reproduce: seed {props['fp8rl_seed']} (run seed "
-                                         f"{self.config.getoption('--fp8rl-seed')}); pytest {report.nodeid}]")
+                                         f"{self.config.getoption('--fp8rl-seed')}); fp8rl conformance --engine "
+                                         f"{entry['engine']} -k '{label}' --seed "
+                                         f"{self.config.getoption('--fp8rl-seed')}]")
         elif report.when == "teardown":
             if report.failed and entry["outcome"] == "passed":
                 entry["outcome"], entry["message"] = "error", _message(report)

@@ -343,3 +343,29 @@ def test_import_failure_reasons():
     assert import_failure("no_such_pkg_fp8rl", "pip install it") == "pip install it"
     broken = import_failure("support.bad_engines_broken_import", "hint")
     assert broken.startswith("support does not import (No module named 'no_such_dependency_fp8rl')")
+
+
+def test_k_selects_by_check_id_and_case_and_the_reproduce_line_reruns_the_failure_exact(tmp_path):
+    """``-k`` takes a check id or ``ID[case]``; a failure's reproduce line is an ``fp8rl conformance`` command that,
+    run from another directory, fails the same case again."""
+    out = tmp_path / "id"
+    r = fp8rl("conformance", "--engine", "reference", "-k", "QUANT-EXACT-002", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert {c["id"] for c in _report(out)["checks"]} == {"QUANT-EXACT-002"}
+    out = tmp_path / "case"
+    assert fp8rl("conformance", "--engine", "reference", "-k", "QUANT-EXACT-001[block]", "--out", str(out)).returncode == 0
+    assert [(c["id"], c["case"]) for c in _report(out)["checks"]] == [("QUANT-EXACT-001", "block")]
+    out = tmp_path / "fail"
+    fp8rl("conformance", "--engine", "mutant:truncating-cast", "--area", "formats", "-k", "CAST-SWEEP-001",
+          "--out", str(out))
+    failed = [c for c in _report(out)["checks"] if c["outcome"] == "failed"]
+    line = failed[0]["message"].splitlines()[-1]
+    cmd = line.split("; ", 1)[1].rstrip("]")
+    assert cmd.startswith("fp8rl conformance --engine mutant:truncating-cast -k 'CAST-SWEEP-001["), line
+    import shlex
+
+    args = shlex.split(cmd)[1:] + ["--out", str(tmp_path / "again")]
+    again = fp8rl(*args, cwd=tmp_path)
+    assert again.returncode == 1, again.stdout[-2000:]
+    rerun = _report(tmp_path / "again")["checks"]
+    assert [(c["id"], c["case"], c["outcome"]) for c in rerun] == [(failed[0]["id"], failed[0]["case"], "failed")]
