@@ -91,13 +91,21 @@ def available_engines() -> dict[str, str]:
 
 def load_engine(name: str) -> Engine:
     """Construct the engine called ``name``: a built-in, ``mutant:<name>``, an entry point, or ``module:factory``."""
+    return load_engine_linted(name)[0]
+
+
+def load_engine_linted(name: str) -> tuple[Engine, Any]:
+    """:func:`load_engine`, and the policy lint (``fp8rl.policy_lint.PolicyLint``) it passed: what a report lists
+    of it (deviations, warnings) without linting the engine twice."""
     if not isinstance(name, str) or not name.strip():
         raise EngineLoadError("engine: expected a non-empty engine name or 'pkg.module:factory'")
     name = name.strip()
     if name.startswith("mutant:"):
         from fp8rl import mutants
+        from fp8rl.policy_lint import lint_engine
 
-        return mutants.make_mutant(name.split(":", 1)[1])
+        mut = mutants.make_mutant(name.split(":", 1)[1])
+        return mut, lint_engine(mut)  # a mutant is fp8rl's own: loaded as it is, its lint reported only
     if name in BUILTINS:
         factory = _import_factory(BUILTINS[name])
     elif ":" in name:
@@ -142,7 +150,7 @@ def load_engine(name: str) -> Engine:
     if problems:
         raise EngineLoadError(f"engine {name!r} does not implement the engine protocol (fp8rl.engine): "
                               + "; ".join(problems))
-    return engine
+    return engine, lint
 
 
 def protocol_ops() -> dict[str, Callable]:

@@ -29,9 +29,9 @@ def describe_engine(name: str) -> dict[str, Any]:
 
     Raises :class:`fp8rl.registry.EngineLoadError` (or whatever the engine raises in ``instrument_notes``) when
     the engine can't be loaded: the caller turns that into exit 2."""
-    from fp8rl.registry import load_engine
+    from fp8rl.registry import load_engine_linted
 
-    eng = load_engine(name)
+    eng, lint = load_engine_linted(name)  # its lint errors make it fail; what is left is accepted, and reported
     caps = {k: (v if v is True else str(v)) for k, v in eng.capabilities().items()}
     from fp8rl.registry import EngineLoadError, return_type_problems
 
@@ -40,9 +40,6 @@ def describe_engine(name: str) -> dict[str, Any]:
         raise EngineLoadError(f"engine {name!r}: an op returns the wrong type (a tiny call at load): " + "; ".join(wrong))
     out: dict[str, Any] = {"name": eng.name if not name.startswith("mutant:") else name,
                            "version": str(eng.version()), "capabilities": caps}
-    from fp8rl.policy_lint import lint_engine
-
-    lint = lint_engine(eng, caps)  # its errors made load_engine fail; what is left is accepted, and reported
     if lint.deviations:
         out["deviations"] = [dict(d) for d in lint.deviations]
     if lint.warnings:
