@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,6 +295,15 @@ def changed_input(snapshot: list[tuple[str, torch.Tensor, torch.Tensor]]) -> str
     return None
 
 
+def _capture(op: str, args: tuple, kwargs: dict, **what: Any) -> None:
+    """Opt-in, for ``fp8rl repro``: with FP8RL_CAPTURE_DIR set, save the op call's arguments and result or error
+    (:mod:`fp8rl.repro_capture`); without it, nothing."""
+    if os.environ.get("FP8RL_CAPTURE_DIR"):
+        from fp8rl.repro_capture import capture_call
+
+        capture_call(op, args, kwargs, **what)
+
+
 @dataclass
 class GuardedEngine:
     """Wraps an engine; validates every op's output (type, shape, dtype, NaN) and wraps its exceptions."""
@@ -343,6 +353,7 @@ class GuardedEngine:
         except (EngineError, pytest.skip.Exception):
             raise
         except Exception as exc:  # noqa: BLE001 - any engine exception is an engine error
+            _capture(op, args, kwargs, error=exc)
             raise EngineError(f"{self.inner.name}.{op} raised {type(exc).__name__}: {exc}") from exc
         finally:
             journal.leave_op()
@@ -351,6 +362,7 @@ class GuardedEngine:
             if not refused:  # the engine's (or the oracle's) code ran, whatever it returned
                 record_op(op, "oracle" if delegated and origin == "engine" and
                           not _is_oracle_module(type(self.inner).__module__) else origin)
+        _capture(op, args, kwargs, result=out)
         if out is None:
             raise EngineError(f"{self.inner.name}.{op} returned None")
         changed = changed_input(snapshot)
