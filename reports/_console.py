@@ -75,14 +75,16 @@ def print_scope(scope: dict, console: Any) -> None:
     refused; each untested declared capability with why; each capability with refused cases and the first refusal."""
     from rich.text import Text
 
+    from ._schema import capability_status
+
     console.print(Text(f"scope: {scope['engine_cases']} cases ran the engine's own code, {scope['oracle_cases']} "
                        f"only the oracle's inherited code (not counted), {scope['refused_cases']} refused by the "
                        "engine", style="bold"))
     for key in scope["untested"]:
         r = scope["capabilities"][key]
-        why = ("inherited from the oracle" if r["oracle"] else
-               f"every case refused: {r['refusals'][0]}" if r["refused"] == r["cases"] and r["refusals"] else
-               "no case ran the engine's code")
+        why = capability_status(r).removeprefix("UNTESTED: ")
+        if r["refused"] == r["cases"] and r["refusals"]:
+            why += f": {r['refusals'][0]}"
         console.print(Text(f"  UNTESTED {key}: {r['cases']} cases, {why}", style="bold yellow"),
                       overflow="ellipsis", no_wrap=True)
     for key, r in scope["capabilities"].items():

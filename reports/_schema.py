@@ -216,6 +216,18 @@ def scope_of(checks: list[dict], capabilities: dict[str, Any]) -> dict | None:
             "capabilities": dict(sorted(caps.items()))}
 
 
+def capability_status(row: dict) -> str:
+    """One capability row of :func:`scope_of` in words, the same in every rendering (report section, console):
+    ``tested`` when a case ran the engine's own code, else ``UNTESTED: <why>``."""
+    if row["engine"]:
+        return "tested"
+    if row["oracle"]:
+        return "UNTESTED: inherited from the oracle"
+    if row["refused"] == row["cases"]:
+        return "UNTESTED: every case refused"
+    return "UNTESTED: no case ran the engine's own code"
+
+
 def first_refusal(message: str) -> str:
     """The engine's refusal text of a refused case's skip message (one line, bounded)."""
     line = (message or "").splitlines()[0] if message else ""
@@ -223,7 +235,7 @@ def first_refusal(message: str) -> str:
 
 
 def summarize(checks: list[dict], *, status: str = "complete", partial: bool = False,
-              capabilities: dict[str, Any] | None = None) -> dict:
+              capabilities: dict[str, Any] | None = None, scope: dict | None = None) -> dict:
     """The ``summary`` object for a list of checks.
 
     Verdict: ``non-conformant`` if a check failed or errored (a failure is a failure, however the run ended); else
@@ -231,13 +243,15 @@ def summarize(checks: list[dict], *, status: str = "complete", partial: bool = F
     for a conformance run with op tracking (``capabilities`` given and checks carrying ``exercised``) — no case ran
     the engine's own code, or a capability the engine declares available ran none of its cases on the engine's own
     code (``scope.untested``: refused, inherited from the oracle, or skipped); else ``conformant``.
-    ``known_deviations`` counts the vendor-xfailed checks; ``partial`` marks a run restricted by --area / -k."""
+    ``known_deviations`` counts the vendor-xfailed checks; ``partial`` marks a run restricted by --area / -k.
+    ``scope``: :func:`scope_of` of these checks when the caller computed it already (it is not computed again)."""
     counts = Counter(c["outcome"] for c in checks)
     s: dict[str, Any] = {o: counts.get(o, 0) for o in OUTCOMES}
     s["total"] = len(checks)
     s["known_deviations"] = s["xfailed"]
     s["partial"] = bool(partial)
-    scope = scope_of(checks, capabilities) if capabilities is not None else None
+    if scope is None and capabilities is not None:
+        scope = scope_of(checks, capabilities)
     if scope is not None:
         s["scope"] = scope
     if s["failed"] or s["error"]:

@@ -167,6 +167,12 @@ def protocol_ops() -> dict[str, Callable]:
     return out
 
 
+def defining_class(cls: type, attr: str) -> type | None:
+    """The class whose body defines ``attr`` for instances of ``cls`` (the first in its MRO), or None: where an
+    engine's op comes from (its own class, the oracle it inherits from, or the protocol's default)."""
+    return next((klass for klass in cls.__mro__ if attr in vars(klass)), None)
+
+
 def _call_shapes(fn: Callable) -> list[tuple[list, dict]]:
     """The calls the suite may make of a protocol method (self excluded): with its required arguments only, and
     with every argument (positional parameters positionally, keyword-only ones by name)."""
@@ -190,11 +196,8 @@ def protocol_mismatches(engine: object) -> list[str]:
     problems = []
     cls = type(engine)
     for op, proto in protocol_ops().items():
-        impl = None
-        for klass in cls.__mro__:
-            if op in vars(klass):
-                impl = vars(klass)[op]
-                break
+        owner = defining_class(cls, op)
+        impl = vars(owner)[op] if owner is not None else None
         if impl is None or getattr(impl, "__module__", None) == "fp8rl.engine" or not callable(impl):
             continue
         if isinstance(impl, (staticmethod, classmethod)):

@@ -101,19 +101,14 @@ def case_scope(result: dict[str, Any]) -> dict[str, Any]:
             "refused": bool(result.get("refused"))}
 
 
-def scope_section(checks: list[dict], capabilities: dict[str, Any]) -> dict[str, Any] | None:
-    """The report section "scope": per capability the engine declares available and this run had cases of, how
-    many cases ran the engine's own code, how many only the oracle's inherited code, how many the engine refused."""
-    from fp8rl.reports._schema import scope_of
+def scope_section(scope: dict[str, Any]) -> dict[str, Any]:
+    """The report section "scope" of :func:`fp8rl.reports._schema.scope_of`'s result: per capability the engine
+    declares available and this run had cases of, how many cases ran the engine's own code, how many only the
+    oracle's inherited code, how many the engine refused."""
+    from fp8rl.reports._schema import capability_status
 
-    scope = scope_of(checks, capabilities)
-    if scope is None:
-        return None
-    rows = []
-    for key, r in scope["capabilities"].items():
-        status = ("tested" if r["engine"] else "UNTESTED: inherited from the oracle" if r["oracle"]
-                  else "UNTESTED: every case refused" if r["refused"] == r["cases"] else "UNTESTED: no case ran")
-        rows.append([key, r["cases"], r["engine"], r["oracle"], r["refused"], status, " | ".join(r["refusals"])])
+    rows = [[key, r["cases"], r["engine"], r["oracle"], r["refused"], capability_status(r), " | ".join(r["refusals"])]
+            for key, r in scope["capabilities"].items()]
     text = (f"{scope['engine_cases']} cases ran the engine's own code; {scope['oracle_cases']} ran only code it "
             f"inherits from fp8rl's oracle (reported, not part of its verdict); {scope['refused_cases']} were refused "
             "by the engine (Unsupported for a capability it declares). A declared capability none of whose cases ran "
@@ -140,10 +135,10 @@ def deviations_section(desc: dict[str, Any]) -> dict[str, Any]:
 
 def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: int, started_at: str,
                     duration_s: float, command: list[str], checks: list[dict], warnings: list[str],
-                    sections: dict[str, Any], **extra: Any) -> dict[str, Any]:
+                    sections: dict[str, Any], scope: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A report dict of the published schema (``fp8rl/reports/report.schema.json``): the envelope every kind of
     run shares, its checks and summary, and ``extra`` top-level fields of that kind (mutants: ``mutants``,
-    ``mutation_score``)."""
+    ``mutation_score``). ``scope``: the checks' scope (``scope_of``) if the caller computed it for a section."""
     from fp8rl.environment import environment
     from fp8rl.reports import SCHEMA_VERSION, summarize
 
@@ -159,7 +154,8 @@ def report_document(*, kind: str, engine: dict[str, Any], profile: str, seed: in
         "duration_s": round(float(duration_s), 3),
         "command": [str(c) for c in command],
         "summary": summarize(checks, status=extra.get("status", "complete"), partial=bool(extra.get("selection")),
-                             capabilities=engine.get("capabilities") if kind == "conformance" else None),
+                             capabilities=engine.get("capabilities") if kind == "conformance" else None,
+                             scope=scope),
         "checks": checks,
         "warnings": list(warnings),
         "sections": sections,
@@ -177,6 +173,7 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
     complete / interrupted / crashed (``status_detail`` says why); ``selection``: the --area / -k restriction of a
     partial run."""
     from fp8rl.mutants import killers_by_check
+    from fp8rl.reports._schema import scope_of
 
     kills = killers_by_check()
     reports = []
@@ -200,9 +197,9 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
         checks.sort(key=lambda c: (c["area"], c["id"], c["case"]))
         desc = (descriptions or {}).get(name) or describe_engine(name)
         sections["coverage"] = coverage_section(exercised, desc.get("input_limits", {}), {c["area"] for c in checks})
-        scope = scope_section(checks, desc.get("capabilities", {}))
+        scope = scope_of(checks, desc.get("capabilities", {}))
         if scope is not None:
-            sections["scope"] = scope
+            sections["scope"] = scope_section(scope)
         if desc.get("deviations") or desc.get("policy_warnings"):
             sections["declared_deviations"] = deviations_section(desc)
         extra: dict[str, Any] = {"status": status}
@@ -212,7 +209,7 @@ def build_report(results: dict[str, dict[str, Any]], *, engines: list[str], prof
             extra["selection"] = selection
         reports.append(report_document(kind="conformance", engine=desc, profile=profile, seed=seed,
                                        started_at=started_at, duration_s=duration_s, command=command,
-                                       checks=checks, warnings=warnings, sections=sections, **extra))
+                                       checks=checks, warnings=warnings, sections=sections, scope=scope, **extra))
     return reports
 
 

@@ -341,11 +341,11 @@ def _noting_oracle_call(fn):
 
 
 def _note_oracle_ops(cls: type) -> None:
-    from fp8rl.engine import Engine
+    from fp8rl.registry import protocol_ops
 
-    protocol = {n for k in Engine.__mro__ if k.__module__ == "fp8rl.engine" for n in vars(k) if not n.startswith("_")}
+    protocol = protocol_ops()
     for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("_") and name in protocol:
+        if callable(value) and name in protocol:
             setattr(cls, name, _noting_oracle_call(value))
 
 
