@@ -10,6 +10,11 @@ and is now missing), 0 otherwise: the regression gate of an upgrade.
 ``fp8rl report merge REPORT... --out DIR`` puts many report.json files (engines, versions, machines; a directory is
 searched for them) into one engine × check matrix (:mod:`fp8rl.reports.merge`): merge.json and a self-contained
 merge.html, the checks whose outcome differs between reports first.
+
+``fp8rl report upstream REPORT CHECK-ID[case] [--out FILE]`` writes the Markdown issue for the upstream project of
+one failed, errored or xfailed case (:mod:`fp8rl.reports.upstream`); ``fp8rl report findings REPORT... --out DIR``
+(or ``--from-xfails``: every entry of fp8rl's vendor xfails files, no report needed) writes findings.md and
+findings.html (:mod:`fp8rl.reports.findings`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,65 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _write_text(path: str | None, text: str, what: str) -> int:
+    if path is None:
+        print(text)
+        return EXIT_OK
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as exc:
+        print(f"fp8rl report {what}: --out {path}: {exc}")
+        return EXIT_USAGE
+    print(f"written: {path}")
+    return EXIT_OK
+
+
+def cmd_upstream(args: argparse.Namespace) -> int:
+    from fp8rl.reports import ReportValidationError
+    from fp8rl.reports.upstream import issue_from_report
+    from fp8rl.repro import ReproError
+
+    try:
+        p = Path(args.report)
+        p = p / "report.json" if p.is_dir() else p
+        report = _load(args.report)
+        if args.repro is not None and not Path(args.repro).is_dir():
+            raise ReproError(f"--repro: expected the folder fp8rl repro wrote, got {args.repro!r}")
+        issue = issue_from_report(report, p, args.case, repro_dir=Path(args.repro) if args.repro else None)
+    except (FileNotFoundError, ReportValidationError, json.JSONDecodeError, ReproError) as exc:
+        print(f"fp8rl report upstream: {exc}")
+        return EXIT_USAGE
+    return _write_text(args.out, issue.markdown(), "upstream")
+
+
+def cmd_findings(args: argparse.Namespace) -> int:
+    from fp8rl.reports import ReportValidationError
+    from fp8rl.reports import findings as F
+    from fp8rl.reports.upstream import all_entries
+
+    if not args.reports and not args.from_xfails:
+        print("fp8rl report findings: expected at least one report.json (or its directory), or --from-xfails")
+        return EXIT_USAGE
+    rows = []
+    for path in args.reports:
+        try:
+            p = Path(path)
+            rows += F.findings_from_report(_load(path), p / "report.json" if p.is_dir() else p)
+        except (FileNotFoundError, ReportValidationError, json.JSONDecodeError) as exc:
+            print(f"fp8rl report findings: {exc}")
+            return EXIT_USAGE
+    if args.from_xfails:
+        rows += F.findings_from_entries(all_entries())
+    try:
+        md, page = F.write(rows, args.out)
+    except OSError as exc:
+        print(f"fp8rl report findings: --out {args.out}: {exc}")
+        return EXIT_USAGE
+    print(f"{len(rows)} findings; written: {md}, {page}")
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="compare report.json files of earlier runs")
     rsub = r.add_subparsers(dest="report_command", required=True)
@@ -129,3 +193,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("reports", nargs="+", help="report.json files, run directories, or folders searched for them")
     m.add_argument("--out", default="fp8rl-merge", help="directory for merge.json / merge.html")
     m.set_defaults(func=cmd_merge)
+    u = rsub.add_parser("upstream", help="the Markdown issue for the upstream project of one failed or xfailed case")
+    u.add_argument("report", help="report.json (or its directory)")
+    u.add_argument("case", help="CHECK-ID[case] of a failed, error or xfailed case")
+    u.add_argument("--out", default=None, metavar="FILE", help="write the issue here (default: print it)")
+    u.add_argument("--repro", default=None, metavar="DIR",
+                   help="the repro folder to attach (default: <report dir>/repro/<case> if fp8rl repro wrote it)")
+    u.set_defaults(func=cmd_upstream)
+    f = rsub.add_parser("findings", help="findings.md / findings.html: every xfailed or failed case of the reports "
+                                         "(engine, version, check, finding, repro command)")
+    f.add_argument("reports", nargs="*", help="report.json files or their directories")
+    f.add_argument("--from-xfails", action="store_true",
+                   help="also list every entry of every vendor xfails file fp8rl ships (no report needed)")
+    f.add_argument("--out", default="fp8rl-findings", help="directory for findings.md / findings.html")
+    f.set_defaults(func=cmd_findings)

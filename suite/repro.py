@@ -119,15 +119,18 @@ def conformance_args(engine: str, label: str, seed: int, profile: str) -> list[s
     return ["conformance", "--engine", engine, "-k", label, "--seed", str(seed), "--profile", profile]
 
 
-def check_spec(check_id: str) -> tuple[str, str, dict[str, str]]:
-    """(spec sentence, bound names, bound name → derivation) of a check, as ``fp8rl checks --json`` gives them."""
+def bound_derivations(bound: str) -> dict[str, str]:
+    """Bound name → its derivation in the tolerance table (``fp8rl checks --json``'s ``bounds``), for a report
+    entry's ``bound`` (``"a"`` or ``"a, b"``); a name the table lacks says so."""
     from fp8rl import tolerances
-    from fp8rl.checks import all_checks
 
-    spec = all_checks().get(check_id)
-    if spec is None:
-        return "", "", {}
-    return spec.title, spec.bound, {b: tolerances.get(b).derivation for b in spec.bounds}
+    out = {}
+    for name in (b.strip() for b in bound.split(",") if b.strip()):
+        try:
+            out[name] = tolerances.get(name).derivation
+        except (KeyError, ValueError):
+            out[name] = "not in this fp8rl's tolerance table"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,7 +414,7 @@ def _layout_notes(doc: dict) -> list[str]:
                 notes.append(f"{where} was not contiguous in the check (strides {v.get('stride')}); the repro "
                              "restores a transposed layout and passes other layouts as contiguous copies")
         elif isinstance(v, dict):
-            for k, x in v.items():
+            for x in v.values():
                 walk(x, where)
         elif isinstance(v, list):
             for x in v:
@@ -427,12 +430,11 @@ def _layout_notes(doc: dict) -> list[str]:
 def _header(report: dict, entry: dict, engine: str, label: str) -> dict[str, Any]:
     import fp8rl
 
-    title, bound, derivations = check_spec(entry["id"])
     env = report.get("environment", {})
     return {"check": entry["id"], "case": entry.get("case") or "", "label": label, "outcome": entry["outcome"],
             "engine": engine, "engine_version": report["engine"].get("version", ""), "seed": report["seed"],
-            "profile": report["profile"], "spec": title or entry.get("title", ""), "bound": bound or entry.get("bound", ""),
-            "bound_derivations": derivations, "fp8rl": fp8rl.__version__,
+            "profile": report["profile"], "spec": entry.get("title", ""), "bound": entry.get("bound", ""),
+            "bound_derivations": bound_derivations(entry.get("bound", "")), "fp8rl": fp8rl.__version__,
             "environment": {k: env.get(k) for k in ("python", "torch", "torch_cuda", "platform", "cpu", "gpus", "device")
                             if k in env},
             "reproduce": "fp8rl " + " ".join(_quote(a) for a in conformance_args(engine, label, report["seed"],
@@ -586,7 +588,7 @@ def cmd_repro(args: argparse.Namespace) -> int:
         print(f"fp8rl repro: --out: can't write the repro folder: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if written.captured:
-        print(f"wrote {written.out}: {written.op}, {written.n_bad} values differ on {written.slice}"
+        print(f"wrote {written.out}: {written.op}, {written.n_bad} compared values differ on {written.slice}"
               + ("" if written.standalone else " (NOT standalone: see its README)"))
     else:
         print(f"wrote {written.out}: the input was not captured (see its README); repro.py reruns the case")
@@ -610,5 +612,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_repro)
 
 
-__all__ = ["ReproError", "case_label", "check_spec", "conformance_args", "default_out", "engine_spec", "find_case",
+__all__ = ["ReproError", "case_label", "bound_derivations", "conformance_args", "default_out", "engine_spec", "find_case",
            "make_repro", "parse_label", "register", "run_script"]

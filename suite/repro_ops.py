@@ -543,7 +543,7 @@ def run_check(explain: Callable[[], Explanation], check: bool) -> int:
     """Print an explanation; the exit status of a repro script: 1 with ``check`` while something disagrees."""
     ex = explain()
     print(ex.text())
-    verdict = (f"DISCREPANCY: {ex.n_bad} of {ex.total} values differ from fp8rl's oracle" if ex.n_bad
+    verdict = (f"DISCREPANCY: {ex.n_bad} of {ex.total} compared values differ from fp8rl's oracle" if ex.n_bad
                else "no discrepancy: the engine agrees with fp8rl's oracle on this input")
     print(verdict)
     return 1 if (check and ex.n_bad) else 0
