@@ -1,4 +1,11 @@
-"""Deterministic input sets for conformance checks (edge vectors the engines' own tests never use)."""
+"""The conformance checks' value generators, one module for the concern "which numbers a check feeds an engine".
+
+Deterministic edge sets (every code of a format with its ties and neighbours, every bf16 value) and the seeded
+random generators (values spanning many binades, K/V whose heads and tokens need different scales). The other input
+concerns live in one module each: the input-space classes an op can receive (``fp8rl.inputspace``: the model;
+``conformance/_space.py``: a tensor of a class), hypothesis strategies (``fp8rl.strategies``: formats and
+quantization; ``fp8rl.strategies_correction``: log-prob batches and correction configs) and the microscaling
+recipes' inputs (``conformance/_mx.py``)."""
 
 from __future__ import annotations
 
@@ -47,3 +54,24 @@ def scaled_normal(rng: np.random.Generator, shape: tuple[int, ...], spread: int 
     mag = np.exp2(rng.integers(-spread, spread + 1, size=shape[-1:] if len(shape) else ())).astype(np.float32)
     rowmag = np.exp2(rng.integers(-spread, spread + 1, size=shape[:-1] + (1,))).astype(np.float32) if len(shape) > 1 else 1
     return torch.from_numpy(x * mag * rowmag)
+
+
+def spanning_values(rng: np.random.Generator, shape: tuple[int, ...], fmt: str | None = None, spread: int = 6) -> torch.Tensor:
+    """Gaussian fp32 values spanning ``±spread`` binades around 1 (or the format's range when ``fmt`` is given)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if fmt is None:
+        mag = np.exp2(rng.integers(-spread, spread + 1, size=shape)).astype(np.float32)
+    else:
+        f = get_format(fmt)
+        lo, hi = int(np.log2(f.min_subnormal)) - 2, int(np.log2(f.max_finite)) + 2
+        mag = np.exp2(rng.integers(lo, hi, size=shape)).astype(np.float32)
+    return torch.from_numpy(x * mag)
+
+
+def kv_tensor(rng: np.random.Generator, shape: tuple[int, ...], spread: int = 6) -> torch.Tensor:
+    """Gaussian K/V [..., T, H, D] whose heads span ±``spread`` binades and whose tokens vary by 8×, so that
+    per-tensor, per-head and per-token-head scales all differ."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    head = np.exp2(rng.integers(-spread, spread + 1, size=(shape[-2], 1))).astype(np.float32)
+    tok = np.exp2(rng.uniform(-1.5, 1.5, size=shape[:-2] + (1, 1))).astype(np.float32)
+    return torch.from_numpy(x * head * tok)

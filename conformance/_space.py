@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from fp8rl.inputspace import MODEL, SIZE_CLASSES, with_layout, with_specials
-from fp8rl.reference.formats import get_format
+
+from ._inputs import spanning_values
 
 #: a representative size of each size class
 SIZE_OF = {"lt64": 40, "eq64": 64, "eq128": 128, "eq256": 256, "ragged": 200, "gt256": 384, "gt256-ragged": 300}
@@ -43,18 +44,6 @@ def shape_for(cls: str) -> tuple[int, int]:
     return DEFAULT_ROWS, DEFAULT_COLS
 
 
-def values(rng: np.random.Generator, shape: tuple[int, ...], fmt: str | None = None, spread: int = 6) -> torch.Tensor:
-    """Gaussian fp32 values spanning ``±spread`` binades around 1 (or the format's range when ``fmt`` is given)."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    if fmt is None:
-        mag = np.exp2(rng.integers(-spread, spread + 1, size=shape)).astype(np.float32)
-    else:
-        f = get_format(fmt)
-        lo, hi = int(np.log2(f.min_subnormal)) - 2, int(np.log2(f.max_finite)) + 2
-        mag = np.exp2(rng.integers(lo, hi, size=shape)).astype(np.float32)
-    return torch.from_numpy(x * mag)
-
-
 def tensor_of_class(cls: str, rng: np.random.Generator, *, fmt: str | None = None, rows: int | None = None,
                     cols: int | None = None, leading: tuple[int, ...] = ()) -> torch.Tensor:
     """A float tensor of class ``cls`` (one of ``dtype.x=…``, ``layout.x=…``, ``rank.x=…``, ``size.x.*=…``,
@@ -62,7 +51,7 @@ def tensor_of_class(cls: str, rng: np.random.Generator, *, fmt: str | None = Non
     axis, _, value = cls.partition("=")
     r, c = shape_for(cls)
     r, c = rows or r, cols or c
-    x = values(rng, (*leading, r, c), fmt)
+    x = spanning_values(rng, (*leading, r, c), fmt)
     if axis.startswith("special."):
         x = with_specials(x, [value], rng)
     if axis.startswith("dtype."):
@@ -76,5 +65,4 @@ def tensor_of_class(cls: str, rng: np.random.Generator, *, fmt: str | None = Non
     return x
 
 
-__all__ = ["DEFAULT_COLS", "DEFAULT_ROWS", "SIZE_OF", "classes", "shape_for", "skip_if_limited", "tensor_of_class",
-           "values"]
+__all__ = ["DEFAULT_COLS", "DEFAULT_ROWS", "SIZE_OF", "classes", "shape_for", "skip_if_limited", "tensor_of_class"]

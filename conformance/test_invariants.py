@@ -34,7 +34,7 @@ from fp8rl.reference.quant import Granularity, compute_amax, quantize
 from fp8rl.strategies_correction import make_batch
 
 from . import _space as S
-from ._inputs import scaled_normal
+from ._inputs import scaled_normal, spanning_values
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -334,7 +334,7 @@ def _with_specials(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs_cast(engine, rng):
-    x = S.values(rng, (24, 40))
+    x = spanning_values(rng, (24, 40))
     if not engine.input_limits("cast").get("special.x=nan"):
         x = _with_specials(x)
     x = with_layout(x, _layout(engine, "cast", "layout.x", "transposed"))
@@ -342,7 +342,7 @@ def _inputs_cast(engine, rng):
 
 
 def _inputs_round_bf16(engine, rng):
-    x = S.values(rng, (24, 40))
+    x = spanning_values(rng, (24, 40))
     if not engine.input_limits("round_bf16").get("special.x=nan"):
         x = _with_specials(x)
     x = with_layout(x, _layout(engine, "round_bf16", "layout.x", "sliced"))

@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from . import _space as S
-from ._inputs import cast_sweep
+from ._inputs import cast_sweep, kv_tensor
 
 FMTS = ("e4m3fn", "e5m2")
 LAYOUTS = ("tensor", "head", "token_head")
@@ -55,15 +55,6 @@ def _one_thread() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # inputs
-
-
-def kv_tensor(rng: np.random.Generator, shape: tuple[int, ...], spread: int = 6) -> torch.Tensor:
-    """Gaussian K/V [..., T, H, D] whose heads span ±``spread`` binades and whose tokens vary by 8×, so that
-    per-tensor, per-head and per-token-head scales all differ."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    head = np.exp2(rng.integers(-spread, spread + 1, size=(shape[-2], 1))).astype(np.float32)
-    tok = np.exp2(rng.uniform(-1.5, 1.5, size=shape[:-2] + (1, 1))).astype(np.float32)
-    return torch.from_numpy(x * head * tok)
 
 
 def amax_scale(x: torch.Tensor, layout: str, fmt: str, factor: float = 1.0) -> torch.Tensor | None:
