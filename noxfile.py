@@ -9,6 +9,7 @@ never changes what CI tests; ``nox -s upstream`` builds the same environments fr
 and reports the drift.
 
     nox -s tests               the suite's own tests (README's test command; hypothesis profile ci)
+    nox -s tests_random_order  nightly: the same tests in one process, shuffled (pytest-random-order; seed printed)
     nox -s conformance         the main job: fp8rl conformance on the torch engine, report in ./fp8rl-report
     nox -s conformance_<tier>  an engine tier in its own venv (``nox -l`` lists them; docs/tiers.md); -- PART
     nox -s lint typecheck      ruff; mypy on the whole package
@@ -331,6 +332,21 @@ def tests(session: nox.Session) -> None:
     if not _no_venv(session):
         install_locked(session, TIERS["base"])
     session.run("pytest", *TIERS["base"].pytest[0], *session.posargs, env=TIERS["base"].env)
+
+
+@nox.session
+def tests_random_order(session: nox.Session) -> None:
+    """The suite's own tests in one process and a shuffled order (nightly): README's test command with ``-n 0`` and
+    pytest-random-order's ``--random-order-bucket=global`` (a fresh seed each run, printed in the header; pass
+    ``-- --random-order-seed=N`` to replay one). No test may depend on another's order or leftovers: order and
+    leftovers are what a shuffled single-process run exposes and an xdist run hides (xdist can't shuffle)."""
+    if not _no_venv(session):
+        install_locked(session, TIERS["base"])
+    args = list(TIERS["base"].pytest[0])
+    if "-n" in args:  # README's worker count ("-n 3"): this run is one process
+        del args[args.index("-n"):args.index("-n") + 2]
+    session.run("pytest", *args, "-n", "0", "-p", "no:cacheprovider", "--random-order-bucket=global",
+                *session.posargs, env=TIERS["base"].env)
 
 
 @nox.session
