@@ -2,6 +2,7 @@
 
     fp8rl parity --engine reference --recipe fp8-all --correction tis          # writes ./fp8rl-parity
     fp8rl parity --recipe fp8-linear --correction none --seeds 8 --steps 60 --out DIR
+    fp8rl parity --control noise --sigma 0.5,1,2,4,8                           # a positive control, swept
 
 The enumerable toy policy of :mod:`fp8rl.reference.learning` (1-layer Qwen3, vocabulary 8, 3-token responses,
 reward = token sum divisible by ``--modulus``) is trained with GRPO for ``--steps`` steps: each step the engine
@@ -14,11 +15,21 @@ correction: the baseline), ``R+none`` and ``R+C``. Per step: mean reward, k3 mis
 TIS truncates, gradient norm, and the cosine of the step's gradient with the baseline's gradient at the same step
 (same seed).
 
-Verdict: the paired bootstrap (over seeds) of the reward gap (condition − baseline) of the mean reward over the
-run (the learning curve's area: the toy task saturates, so the final reward alone cannot tell learning speeds apart;
-the final reward gap over the last ``--final`` steps is reported too): "matches BF16 within δ" when the 95% CI lies
-inside [−δ, δ]. Output: ``parity.json`` and a
-self-contained ``parity.html`` with the curves. Exit 0 when R+C matches, 1 when it does not, 2 on a usage error.
+Verdict (:func:`judge`): the paired bootstrap (over seeds) of the reward gap (condition − baseline) of the mean reward
+over the run (the learning curve's area: the toy task saturates, so the final reward alone cannot tell learning
+speeds apart; the final reward gap over the last ``--final`` steps is reported too), with its power: the minimum gap
+the seeds detect at 80 % power (paired two-sided t-test, α = 0.05), MDE = (t_{0.975,n−1} + t_{0.8,n−1})·sd/√n from
+the SD of the paired differences (floored at the rewards' rounding; fewer than 3 seeds are always underpowered).
+"does not match BF16" when the 95 % CI lies entirely beyond ±δ; else
+"underpowered: need N seeds" when δ < MDE (no verdict; N from the same formula); else "matches BF16 within δ" when
+the CI lies inside [−δ, δ] and "does not match" when it crosses ±δ.
+
+Positive controls (``--control``, :mod:`fp8rl.parity_controls`): conditions built to be wrong, which must get "does
+not match"; ``--sigma``/``--temperature`` sweeps their strength and parity.json records the smallest value caught.
+
+Output: ``parity.json`` and a self-contained ``parity.html`` with the curves. Exit codes: 0 when R+C matches, 1 when
+it does not, 4 (``EXIT_INCOMPLETE``) when it is underpowered, 2 on a usage error. With ``--control``: 0 when parity
+caught the control (for a sweep: at least one value), 1 when it said "matches" for every value, 4 otherwise.
 """
 
 from __future__ import annotations
@@ -27,13 +38,14 @@ import argparse
 import html
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8rl.exitcodes import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from fp8rl.exitcodes import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     import torch
@@ -93,11 +105,14 @@ def _bf16_state(model) -> dict[str, torch.Tensor]:
 
 
 def run_one(engine, task, cfg: dict, sd: dict, recipe: str, correction: str, seed: int, pc: ParityConfig,
-            ref_grads: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """One GRPO run: per-step metrics and the step gradients (flattened)."""
+            ref_grads: list[torch.Tensor] | None = None, correct=None) -> dict[str, Any]:
+    """One GRPO run: per-step metrics and the step gradients (flattened). ``correct`` replaces the oracle's
+    ``rollout_correction(train_logp, rollout_logp, mask, config)`` (a positive control's broken op)."""
     import torch
     from fp8rl.reference import correction as C
     from fp8rl.reference.learning import correction_config
+
+    correct = correct or C.rollout_correction
 
     torch.manual_seed(seed)
     model = _trainer(cfg, sd)
@@ -123,7 +138,7 @@ def run_one(engine, task, cfg: dict, sd: dict, recipe: str, correction: str, see
         logits = model(input_ids=tokens, use_cache=False).logits[:, p_len - 1:-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
         mask = torch.ones_like(roll_lp)
-        corr = C.rollout_correction(lp.detach().double(), roll_lp, mask, ccfg)
+        corr = correct(lp.detach().double(), roll_lp, mask, ccfg)
         w = corr.weights
         loss = C.policy_loss(lp, lp.detach(), adv[:, None].expand_as(lp), corr.mask, w, loss_cfg)
         opt.zero_grad()
@@ -155,50 +170,161 @@ def paired_bootstrap(diffs: list[float], boot: int, seed: int = 0) -> tuple[floa
     return float(d.mean()), float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))
 
 
-def run_parity(pc: ParityConfig, progress=None) -> dict[str, Any]:
+#: the verdicts of a condition against the baseline (parity.json ``verdicts[name]["verdict"]``)
+VERDICTS = ("matches", "does-not-match", "underpowered")
+
+
+def min_detectable_gap(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean gap a paired two-sided t-test at level ``alpha`` detects with probability ``power``
+    from ``n`` paired seeds whose differences have standard deviation ``sd``:
+    MDE = (t_{1−α/2, n−1} + t_{power, n−1}) · sd / √n (inf below 2 seeds: no spread to estimate)."""
+    from scipy import stats
+
+    if n < 2:
+        return math.inf
+    dof = n - 1
+    return float((stats.t.ppf(1 - alpha / 2, dof) + stats.t.ppf(power, dof)) * sd / math.sqrt(n))
+
+
+#: the fewest paired seeds a verdict other than "underpowered" rests on: with 2, the SD has one degree of freedom
+#: and the bootstrap "CI" is the two differences themselves
+MIN_SEEDS = 3
+
+
+def seeds_needed(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """The fewest paired seeds (≥ :data:`MIN_SEEDS`) whose :func:`min_detectable_gap` at this ``sd`` is ≤ ``delta``."""
+    from scipy import stats
+
+    if not delta > 0:
+        raise ValueError(f"delta: expected > 0, got {delta}")
+    if sd <= 0:
+        return MIN_SEEDS
+    # the normal quantiles are below the t quantiles: their n is a lower bound, and MDE falls as n grows
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    n = max(MIN_SEEDS, math.floor((z * sd / delta) ** 2))
+    while min_detectable_gap(sd, n, alpha, power) > delta:
+        n += 1
+    return n
+
+
+def judge(name: str, diffs: list[float], delta: float, boot: int, resolution: float = 0.0) -> dict[str, Any]:
+    """The verdict on the paired differences (condition − baseline) of the run-mean reward, with its power.
+
+    The SD of the differences is floored at ``resolution``/√6: a run-mean reward is a multiple of ``resolution``
+    (1 / responses per run), so equal differences (ties, common with few short runs) give an SD of 0 that only says
+    the spread is below the rounding (a difference of two rounded values has SD resolution/√6).
+
+    - fewer than :data:`MIN_SEEDS` seeds: "underpowered";
+    - the 95 % bootstrap CI lies entirely beyond ±δ: "does-not-match" (a gap larger than δ is shown; power does
+      not matter);
+    - else, δ is below the minimum detectable gap at 80 % power: "underpowered" (neither a match nor a mismatch can
+      be claimed; the seeds that would do are named);
+    - else "matches" when the CI lies inside [−δ, δ], "does-not-match" when it crosses ±δ."""
+    if not delta > 0:
+        raise ValueError(f"delta: expected > 0, got {delta}")
+    if not resolution >= 0:
+        raise ValueError(f"resolution: expected ≥ 0, got {resolution}")
+    mean, lo, hi = paired_bootstrap(diffs, boot)
+    n = len(diffs)
+    sd_obs = statistics.stdev(diffs) if n >= 2 else None
+    sd = None if sd_obs is None else max(sd_obs, resolution / math.sqrt(6))
+    mde = None if sd is None else min_detectable_gap(sd, n)
+    need = None if sd is None else seeds_needed(sd, delta)
+    head = f"mean-reward gap over the run {mean:+.4f}, 95% CI [{lo:+.4f}, {hi:+.4f}]"
+    power = "" if sd is None else (f"minimum detectable gap at 80% power {mde:.4f} (SD of the paired differences "
+                                   f"{sd:.4f}, {n} seeds)")
+    if n < MIN_SEEDS:
+        verdict = "underpowered"
+        text = (f"{name}: underpowered: need ≥ {max(MIN_SEEDS, need or 0)} seeds — {n} paired seed{'s' * (n != 1)} "
+                f"cannot carry a verdict; no parity verdict. {head}" + (f"; {power}" if power else ""))
+    elif lo > delta or hi < -delta:
+        verdict = "does-not-match"
+        text = f"{name} does NOT match BF16 within δ = {delta}: {head} lies beyond ±δ; {power}"
+    elif not mde <= delta:
+        verdict = "underpowered"
+        text = f"{name}: underpowered: need {need} seeds — δ = {delta} is below the {power}; no parity verdict. {head}"
+    elif -delta <= lo and hi <= delta:
+        verdict = "matches"
+        text = f"{name} matches BF16 within δ = {delta}: {head}; {power}"
+    else:
+        verdict = "does-not-match"
+        text = f"{name} does NOT match BF16 within δ = {delta}: {head} crosses ±δ; {power}"
+    return {"reward_gap": mean, "ci95": [lo, hi], "verdict": verdict, "matches": verdict == "matches",
+            "sd_diff": sd, "sd_observed": sd_obs, "mde80": mde, "seeds_needed": need, "text": text}
+
+
+def _conditions(pc: ParityConfig, control: str | None, values) -> list:
+    from fp8rl.parity_controls import Condition, control_conditions
+
+    base = [Condition("bf16", "bf16", "none")]
+    if control is not None:
+        return base + control_conditions(control, pc.correction, values)
+    conds = base + [Condition(f"{pc.recipe}+none", pc.recipe, "none")]
+    if pc.correction != "none":
+        conds.append(Condition(f"{pc.recipe}+{pc.correction}", pc.recipe, pc.correction))
+    return conds
+
+
+def run_parity(pc: ParityConfig, progress=None, *, control: str | None = None,
+               values: tuple[float, ...] | None = None) -> dict[str, Any]:
+    """Train every condition on every seed and judge each against the bf16 baseline (:func:`judge`). With
+    ``control`` (``fp8rl.parity_controls.CONTROLS``), the conditions are the baseline and that positive control's,
+    one per value of its σ or temperature (``values``; None: its defaults), on the reference engine; parity.json's
+    ``control`` names the conditions parity caught and the smallest value it caught."""
     from fp8rl.reference.learning import ToyTask, toy_config, toy_state_dict
+    from fp8rl.reference.rollout import single_thread
     from fp8rl.registry import load_engine
 
     pc.validate()
+    if control is not None and pc.engine != "reference":
+        raise ValueError(f"--engine: the positive controls run on the reference engine, got {pc.engine!r}")
     engine = load_engine(pc.engine)
     task = ToyTask(modulus=pc.modulus)
     cfg = toy_config(task)
-    conditions = [("bf16", "bf16", "none"), (f"{pc.recipe}+none", pc.recipe, "none"),
-                  (f"{pc.recipe}+{pc.correction}", pc.recipe, pc.correction)]
-    if pc.correction == "none":
-        conditions = conditions[:2]
-    runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name, _, _ in conditions}
+    conditions = _conditions(pc, control, values)
+    runs: dict[str, list[dict[str, list[float]]]] = {c.name: [] for c in conditions}
     t0 = time.time()
     for seed in range(pc.seeds):
         sd = toy_state_dict(cfg, seed)
         base = None
-        for name, recipe, corr in conditions:
-            res = run_one(engine, task, cfg, sd, recipe, corr, seed, pc,
-                          ref_grads=None if base is None else base["grads"])
+        for c in conditions:
+            with single_thread():  # an 11k-parameter model gains nothing from threads; contention costs 3-5x
+                res = run_one(c.engine or engine, task, cfg, sd, c.recipe, c.correction, seed, pc,
+                              ref_grads=None if base is None else base["grads"], correct=c.correct)
             if base is None:
                 base = res
-            runs[name].append(res["metrics"])
+            runs[c.name].append(res["metrics"])
             if progress:
-                progress(f"seed {seed} {name}: final reward "
+                progress(f"seed {seed} {c.name}: final reward "
                          f"{sum(res['metrics']['reward'][-pc.final:]) / pc.final:.3f} ({time.time() - t0:.0f} s)")
     finals = {name: [sum(m["reward"][-pc.final:]) / pc.final for m in ms] for name, ms in runs.items()}
     curves = {name: [sum(m["reward"]) / len(m["reward"]) for m in ms] for name, ms in runs.items()}
     verdicts = {}
-    for name, _, _ in conditions[1:]:
-        mean, lo, hi = paired_bootstrap([a - b for a, b in zip(curves[name], curves["bf16"], strict=True)], pc.boot)
+    for c in conditions[1:]:
+        name = c.name
+        v = judge(name, [a - b for a, b in zip(curves[name], curves["bf16"], strict=True)], pc.delta, pc.boot,
+                  resolution=1.0 / (pc.groups * pc.group_size * pc.steps))
         fmean, flo, fhi = paired_bootstrap([a - b for a, b in zip(finals[name], finals["bf16"], strict=True)],
                                            pc.boot)
-        cos = [v for m in runs[name] for v in m["cos_bf16"] if math.isfinite(v)]
-        ok = bool(-pc.delta <= lo and hi <= pc.delta)
-        verdicts[name] = {"reward_gap": mean, "ci95": [lo, hi], "final_reward_gap": fmean, "final_ci95": [flo, fhi],
-                          "matches": ok, "mean_grad_cosine": sum(cos) / len(cos) if cos else float("nan"),
-                          "text": (f"{name} {'matches' if ok else 'does NOT match'} BF16 within δ = {pc.delta}: "
-                                   f"mean-reward gap over the run {mean:+.4f}, 95% CI [{lo:+.4f}, {hi:+.4f}]; "
-                                   f"final reward gap {fmean:+.4f} [{flo:+.4f}, {fhi:+.4f}] ({pc.seeds} paired "
-                                   f"seeds)")}
-    return {"config": asdict(pc), "engine": engine.name, "task": asdict(task), "conditions": [c[0] for c in conditions],
-            "final_rewards": finals, "mean_rewards": curves, "runs": runs, "verdicts": verdicts,
-            "wall_s": time.time() - t0}
+        cos = [x for m in runs[name] for x in m["cos_bf16"] if math.isfinite(x)]
+        v.update({"final_reward_gap": fmean, "final_ci95": [flo, fhi],
+                  "mean_grad_cosine": sum(cos) / len(cos) if cos else float("nan")})
+        v["text"] += f"; final reward gap {fmean:+.4f} [{flo:+.4f}, {fhi:+.4f}]"
+        verdicts[name] = v
+    out = {"config": asdict(pc), "engine": engine.name, "task": asdict(task), "conditions": [c.name for c in conditions],
+           "final_rewards": finals, "mean_rewards": curves, "runs": runs, "verdicts": verdicts,
+           "wall_s": time.time() - t0}
+    if control is not None:
+        from fp8rl.parity_controls import CONTROLS, PARAMETER
+
+        caught = {c.name: verdicts[c.name]["verdict"] == "does-not-match" for c in conditions[1:]}
+        detected = [c.strength for c in conditions[1:] if caught[c.name]]
+        param = PARAMETER[control]
+        out["control"] = {"name": control, "breaks": CONTROLS[control], "caught": caught, "parameter": param,
+                          "values": [c.strength for c in conditions[1:]],
+                          "smallest_detected": min(detected) if detected else None}
+        out["control"][f"smallest_{param}_detected"] = out["control"]["smallest_detected"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,10 +369,14 @@ def _svg(title: str, series: dict[str, list[list[float]]], width: int = 460, hei
 
 def render_html(result: dict[str, Any]) -> str:
     pc = result["config"]
+    ctl = result.get("control")
+    control = "" if ctl is None else (
+        f"<p><b>Positive control {html.escape(ctl['name'])}</b>: {html.escape(ctl['breaks'])}. Parity must say "
+        f"'does not match' for each control condition; smallest {ctl['parameter']} it did: {ctl['smallest_detected']}.</p>")
     rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{v['reward_gap']:+.4f} [{v['ci95'][0]:+.4f}, "
                    f"{v['ci95'][1]:+.4f}]</td><td>{v['final_reward_gap']:+.4f} [{v['final_ci95'][0]:+.4f}, "
                    f"{v['final_ci95'][1]:+.4f}]</td><td>{v['mean_grad_cosine']:.4f}</td>"
-                   f"<td><b>{'matches' if v['matches'] else 'does not match'}</b></td></tr>"
+                   f"<td>{'—' if v['mde80'] is None else format(v['mde80'], '.4f')} ({v['seeds_needed'] or '≥ 2'} seeds needed)</td><td><b>{html.escape(v['verdict'])}</b></td></tr>"
                    for n, v in result["verdicts"].items())
     plots = "".join(_svg(title, {n: [m[key] for m in result["runs"][n]] for n in result["conditions"]})
                     for key, title in (("reward", "mean reward"), ("k3", "k3 mismatch KL"),
@@ -255,28 +385,39 @@ def render_html(result: dict[str, Any]) -> str:
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>fp8rl parity</title>
 <style>body{{font:14px sans-serif;margin:2em;max-width:1000px}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px}}svg{{margin:6px;border:1px solid #eee}}</style></head><body>
-<h1>fp8rl parity — toy GRPO, engine {html.escape(result['engine'])}</h1>
+<h1>fp8rl parity — toy GRPO, engine {html.escape(result['engine'])}</h1>{control}
 <p>Recipe <b>{html.escape(pc['recipe'])}</b>, correction <b>{html.escape(pc['correction'])}</b>; {pc['seeds']} seeds ×
 {pc['steps']} steps, {pc['groups']} groups × {pc['group_size']} responses, Adam lr {pc['lr']}; toy task: vocabulary
 {result['task']['vocab']}, {result['task']['horizon']}-token responses, reward = token sum divisible by
 {result['task']['modulus']}. Verdict: paired bootstrap (over seeds) of the gap in mean reward over the run vs the
-BF16 baseline; "matches" when the 95% CI lies inside ±{pc['delta']} (final reward: last {pc['final']} steps). Toy scale on CPU: this shows the
+BF16 baseline; "matches" when the 95% CI lies inside ±{pc['delta']} and ±{pc['delta']} is at least the gap the
+seeds detect with 80% power ("underpowered" otherwise; final reward: last {pc['final']} steps). Toy scale on CPU: this shows the
 mechanism, not the size of the effect at LLM scale.</p>
 <table><tr><th>condition</th><th>mean-reward gap [95% CI]</th><th>final reward gap [95% CI]</th><th>mean gradient cosine to BF16</th>
-<th>verdict</th></tr>{rows}</table>
+<th>minimum detectable gap (80% power)</th><th>verdict</th></tr>{rows}</table>
 <div>{plots}</div><p>wall time {result['wall_s']:.0f} s</p></body></html>
 """
 
 
 def register(subparsers: Any) -> None:
     """Add the ``parity`` subcommand (fp8rl.cli EXTRA_COMMAND_MODULES)."""
+    from fp8rl.parity_controls import CONTROLS
+
     d = ParityConfig()
     p = subparsers.add_parser("parity", help="toy GRPO learning curves: FP8 rollouts + correction vs BF16 rollouts "
-                                             "(paired-bootstrap verdict)")
+                                             "(paired-bootstrap verdict with its power; --control: positive controls)")
     p.add_argument("--engine", default=d.engine, help=f"rollout engine (default {d.engine})")
     p.add_argument("--recipe", default=d.recipe, help=f"numerics recipe of the FP8 runs (default {d.recipe})")
     p.add_argument("--correction", default=d.correction, choices=sorted(CORRECTIONS),
                    help=f"rollout correction (default {d.correction}: token TIS, U = 2)")
+    p.add_argument("--control", choices=sorted(CONTROLS), default=None,
+                   help="run a positive control instead of --recipe: a condition parity must call 'does not match' "
+                        "(" + "; ".join(f"{k}: {v}" for k, v in CONTROLS.items()) + ")")
+    p.add_argument("--sigma", default=None,
+                   help="logit-noise σ of --control noise (comma-separated: a sweep; default 0.5,1,2,4,8) or of "
+                        "--control inverted-ratio (one value; default 1)")
+    p.add_argument("--temperature", default=None,
+                   help="sampling temperature of --control wrong-policy (comma-separated: a sweep; default 3)")
     p.add_argument("--seeds", type=int, default=d.seeds, help=f"paired seeds (default {d.seeds})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"GRPO steps (default {d.steps})")
     p.add_argument("--groups", type=int, default=d.groups, help=f"groups per step (default {d.groups})")
@@ -289,6 +430,39 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_main)
 
 
+#: a parity verdict → the command's exit code (the condition judged: --recipe+--correction)
+VERDICT_EXIT = {"matches": EXIT_OK, "does-not-match": EXIT_FAIL, "underpowered": EXIT_INCOMPLETE}
+
+
+def control_exit(result: dict[str, Any]) -> int:
+    """Exit code of a control run: 0 when parity caught the control (said "does not match" for at least one of its
+    conditions), 1 when it said "matches" for every one (blind to it), 4 otherwise (underpowered, nothing caught)."""
+    verdicts = [v["verdict"] for v in result["verdicts"].values()]
+    if "does-not-match" in verdicts:
+        return EXIT_OK
+    return EXIT_FAIL if all(v == "matches" for v in verdicts) else EXIT_INCOMPLETE
+
+
+def _control_values(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """The control's strengths from --sigma/--temperature (validated), or None for its defaults."""
+    from fp8rl.parity_controls import PARAMETER, control_conditions, parse_values
+
+    given = {k: getattr(args, k) for k in ("sigma", "temperature") if getattr(args, k) is not None}
+    if args.control is None:
+        if given:
+            raise ValueError(f"--{next(iter(given))}: applies to --control only")
+        return None
+    param = PARAMETER[args.control]
+    for k in given:
+        if k != param:
+            raise ValueError(f"--{k}: the {args.control} control takes --{param}, not --{k}")
+    if args.engine != "reference":
+        raise ValueError(f"--engine: the positive controls run on the reference engine, got {args.engine!r}")
+    values = parse_values(f"--{param}", given[param]) if param in given else None
+    control_conditions(args.control, args.correction, values)
+    return values
+
+
 def _main(args: argparse.Namespace) -> int:
     try:
         pc = ParityConfig(engine=args.engine, recipe=args.recipe, correction=args.correction, seeds=args.seeds,
@@ -298,6 +472,7 @@ def _main(args: argparse.Namespace) -> int:
         from fp8rl.reference.rollout import get_recipe
 
         get_recipe(pc.recipe)
+        values = _control_values(args)
     except (ValueError, KeyError) as exc:
         print(f"fp8rl parity: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -308,7 +483,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"fp8rl parity: --out: cannot create {out}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        result = run_parity(pc, progress=lambda s: print(s, flush=True))
+        result = run_parity(pc, progress=lambda s: print(s, flush=True), control=args.control, values=values)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot load or roll out is a usage-level failure
         print(f"fp8rl parity: engine {pc.engine!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -316,6 +491,14 @@ def _main(args: argparse.Namespace) -> int:
     (out / "parity.html").write_text(render_html(result))
     for v in result["verdicts"].values():
         print(v["text"])
+    if args.control is not None:
+        ctl = result["control"]
+        caught = [n for n, c in ctl["caught"].items() if c]
+        print(f"positive control {args.control}: parity caught {len(caught)} of {len(ctl['caught'])} conditions"
+              + (f"; smallest {ctl['parameter']} detected {ctl['smallest_detected']:g}"
+                 if ctl["smallest_detected"] is not None else ""))
     print(f"wall time {result['wall_s']:.0f} s; {out / 'parity.json'}, {out / 'parity.html'}")
+    if args.control is not None:
+        return control_exit(result)
     key = f"{pc.recipe}+{pc.correction}"
-    return EXIT_OK if result["verdicts"].get(key, {}).get("matches", False) else EXIT_FAIL
+    return VERDICT_EXIT[result["verdicts"][key]["verdict"]]
