@@ -155,7 +155,8 @@ def explain_quantize(x: torch.Tensor, granularity: Any, policy: Any, got: Any, e
         return Explanation("quantize", max(n_scale + n_code, 1), es.numel() + ec.numel(), None, lines)
     xf = x.detach().cpu().float()
     first = _first_indices(bad_code, 1)
-    anchor = group_index(g, first[0]) if first else (_first_indices(bad_scale, 1) or [None])[0]
+    scale_first = _first_indices(bad_scale, 1)
+    anchor = group_index(g, first[0]) if first else (scale_first[0] if scale_first else None)
     shown_groups: list[tuple[int, ...]] = []
 
     def group_lines(gi: tuple[int, ...]) -> list[str]:
