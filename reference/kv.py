@@ -79,11 +79,21 @@ class MissingKVScales(ValueError):
 class KVPolicy:
     """The numerics an engine declares for its FP8 KV cache (so that a check compares like with like).
 
-    ``fmt``: cache element format; ``layout``: scale layout; ``quant_op``: "div" (x/s) or "mul_recip" (x·fl32(1/s));
-    ``clamp``: clamp x/s to ±max before the cast; ``overflow``: what the cast does with values beyond ±max
-    ("saturate", "nan", "inf"; irrelevant when ``clamp``); ``token_head_floor``: scale floor of layout
-    "token_head"; ``quantize_q``: FP8 attention quantizes Q per tensor with ``q_scale`` (FA3-style) in format
-    ``q_fmt`` using ``q_quant_op`` (vLLM QuantFP8 static: "mul_recip").
+    Fields (``python -m fp8rl.docs_gen`` makes the field tables of docs/ from this list):
+
+    * ``fmt``: cache element format, ``"e4m3fn"`` or ``"e5m2"`` (:data:`KV_FORMATS`).
+    * ``layout``: scale layout (:data:`LAYOUTS`): ``"tensor"`` one scale per tensor per layer (shape ()),
+      ``"head"`` one per KV head (shape (H,)), ``"token_head"`` one per (token, head), computed at store time.
+    * ``quant_op``: how the store applies the scale: ``"div"`` q = x/s, or ``"mul_recip"`` q = x·fl32(1/s).
+    * ``clamp``: clamp x/s to ±max of ``fmt`` before the cast.
+    * ``overflow``: what the cast does with values beyond ±max (``"saturate"``, ``"nan"``, ``"inf"``, as ``fmt``
+      allows; irrelevant when ``clamp``).
+    * ``token_head_floor``: the scale floor of layout ``"token_head"``: s = max(fl32(amax_D / max), floor); finite
+      and > 0 (vLLM ``fp8_per_token_head``: 1e-6).
+    * ``quantize_q``: FP8 attention quantizes Q per tensor with ``q_scale`` (FA3-style); False: Q stays unquantized
+      and the checks pass no ``q_scale``.
+    * ``q_fmt``: the element format Q is quantized to when ``quantize_q`` (:data:`KV_FORMATS`).
+    * ``q_quant_op``: how Q is quantized: ``"div"`` or ``"mul_recip"`` (vLLM QuantFP8 static: ``"mul_recip"``).
     """
 
     fmt: str = "e4m3fn"
@@ -126,7 +136,16 @@ def default_policy(fmt: str = "e4m3fn", layout: str = "tensor") -> KVPolicy:
 
 @dataclass(frozen=True)
 class KVCache:
-    """FP8 cache contents: uint8 ``codes`` of the stored tensor and fp32 dequant ``scale`` of the layout's shape."""
+    """FP8 cache contents, what ``kv_store`` returns and ``kv_attention`` reads.
+
+    Fields (``python -m fp8rl.docs_gen`` makes the field tables of docs/ from this list):
+
+    * ``codes``: uint8 FP8 codes of the stored tensor, its shape ([..., T, H, D]); code × scale is the stored value.
+    * ``scale``: fp32 dequant scale of the layout's shape: () for ``"tensor"``, (H,) for ``"head"``,
+      ``codes.shape[:-1]`` for ``"token_head"``.
+    * ``fmt``: the codes' element format, ``"e4m3fn"`` or ``"e5m2"``.
+    * ``layout``: the scale layout, ``"tensor"``, ``"head"`` or ``"token_head"``.
+    """
 
     codes: torch.Tensor
     scale: torch.Tensor

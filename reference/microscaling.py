@@ -142,10 +142,24 @@ def unpack_fp4(packed: torch.Tensor, k: int) -> torch.Tensor:
 class MXPolicy:
     """Every numerical choice of a microscaling quantizer (formulas: the module docstring).
 
-    ``elem``: element format (e4m3fn, e5m2, e2m1); ``block``: elements per scale along the last dim;
-    ``scale_fmt``: ``"e8m0fnu"`` (MX: a power-of-two scale, rule ``exp_rounding`` with ``ratio_op``) or ``"e4m3fn"``
-    (NVFP4: an E4M3 block scale under an fp32 global scale, ``scale_op``/``quant_op``); ``provenance``: where the
-    rule comes from (repo, path, function, version) and how it was verified.
+    Fields (``python -m fp8rl.docs_gen`` makes the field tables of docs/ from this list):
+
+    * ``name``: the policy's name (a key of :data:`MX_PRESETS` for fp8rl's own).
+    * ``elem``: element format, ``"e4m3fn"``, ``"e5m2"`` or ``"e2m1"`` (FP4).
+    * ``block``: elements per scale along the last dimension (32 for MX, 16 for NVFP4).
+    * ``scale_fmt``: ``"e8m0fnu"`` (MX: a power-of-two scale 2^e by the rule ``exp_rounding`` with ``ratio_op``) or
+      ``"e4m3fn"`` (NVFP4: an E4M3 block scale under a per-tensor fp32 global scale, by ``scale_op``, ``quant_op``
+      and ``global_op``; needs ``elem="e2m1"``).
+    * ``exp_rounding``: the MX exponent rule: ``"floor"`` (OCP spec: e = floor(log2 amax) − e_max), ``"ceil"`` (the
+      exponent of r = amax/T rounded up on its fp32 bits), ``"ceil_log2"`` (ceil of torch's fp32 log2 of r, vLLM),
+      ``"pow2_175"`` (amax rounded to a power of two at significand 1.75, compressed-tensors).
+    * ``ratio_op``: r = fl(amax/T) (``"div"``) or fl(amax·fl(1/T)) (``"mul_recip"``), for ``exp_rounding="ceil"``.
+    * ``scale_op``: NVFP4 block scale from r6 = fl(amax_b/6) (``"div6"``) or fl(amax_b·fl(1/6)) (``"mul_recip6"``).
+    * ``quant_op``: NVFP4 elements y = fl(x / fl(s/g)) (``"div_decoded"``) or fl(x·fl(1/fl(s·fl(1/g))))
+      (``"recip_decoded"``).
+    * ``global_op``: NVFP4 global scale g = fl(2688/amax_t) (``"div"``) or fl(fl(1/amax_t)·2688) (``"recip_mul"``).
+    * ``provenance``: where the rule comes from (repo, path, function, version) and how it was verified; not
+      compared.
     """
 
     name: str

@@ -56,14 +56,19 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
 class ScalePolicy:
     """Every numerical choice of a dynamic scaled-FP8 quantizer (the pipeline is :mod:`fp8rl.reference.quant`).
 
-    Fields:
+    Fields (``python -m fp8rl.docs_gen`` makes the field tables of docs/ from this list):
 
+    * ``name``: the policy's name (a preset's key in :data:`fp8rl.reference.presets.PRESETS`; any non-empty string
+      for a policy of your own).
     * ``fmt``: element format (an entry of ``ELEMENT_FORMATS``).
     * ``target_max`` T: the value the group's amax is mapped to; None → the format's max finite (448 for e4m3fn).
       ROCm fnuz engines use 224. Must satisfy 0 < T ≤ max finite.
     * ``floor``: where ``eps`` applies: ``"amax"`` (amax' = max(amax, eps)), ``"scale"`` (s = max(s, eps), before
       pow2 rounding unless ``floor_order`` says after) or ``"none"``. ``eps`` is rounded to fp32 first, as engines
       pass it as a C float.
+    * ``eps``: the floor's value, a finite number ≥ 0 (rounded to fp32): 1e-10 (vLLM/SGLang group quant, veRL
+      Triton), 1e-12 (torchao, SGLang MLA/ROCm), 1e-4 (DeepGEMM), 1/(448·512) ≈ 4.36e-6 as a *scale* floor (vLLM
+      native and per-token), 0 (TE).
     * ``pow2``: ``"none"``; ``"ceil_log2"`` s = 2^ceil(fl(log2 s)) with torch's fp32 log2 (vLLM torch/Triton/CUDA
       ``exp2(ceil(log2 s))``: for s a few fp32 ulps above a power of two, fl(log2 s) rounds to the integer, so the
       scale rounds **down** and |x/s| can exceed T by ≤ 2^-16 relative, then clamps; docs/engine-numerics.md §7);
@@ -115,6 +120,8 @@ class ScalePolicy:
     * ``floor_order``: with ``floor="scale"`` and ``pow2`` ∈ {ceil_log2, ceil_bits}: ``"floor_then_pow2"`` s =
       pow2(max(s, eps)) (always a power of two; vLLM 0.33.0 ``_quantize_group_native``); ``"pow2_then_floor"`` s =
       max(pow2(s), eps) (a group below the floor gets the non-power-of-two eps; vLLM ≤ 0.32.0).
+    * ``description``: free text, where the policy comes from (shown by ``fp8rl presets``); not compared: two
+      policies that differ only in it are equal.
     """
 
     name: str

@@ -128,7 +128,10 @@ class KVOps:
         raise Unsupported(f"{self.name} declares no FP8 KV cache")
 
     def kv_store(self, x: torch.Tensor, scale: torch.Tensor | None, *, fmt: str, layout: str) -> Any:
-        """Quantize-on-store of K or V ``x`` [..., T, H, D] (fp32) → ``KVCache(codes uint8 x.shape, scale fp32)``.
+        """Quantize-on-store of K or V ``x`` [..., T, H, D] → ``KVCache(codes uint8 x.shape, scale fp32)``.
+
+        ``x``: fp32, bf16 or fp16, 3-D [T, H, D] or batched 4-D, contiguous or not (every class the checks send:
+        ``fp8rl.inputspace.MODEL["kv_store"]``, tabulated in docs/vendor-guide.md §4).
 
         ``scale``: the dequant scale, shape () for layout "tensor" and (H,) for "head"; None for "token_head",
         where the engine computes s = max(fl32(amax_D / max), floor) per (token, head) and returns it. Codes:

@@ -136,30 +136,6 @@ def test_kv_store_adapter_scope_names_its_one_capability_exact(vendor_dir):
     assert r.returncode in (0, 1), r.stdout[-3000:]  # whatever its verdict, it is one about the vendor's code
 
 
-def guide_adapter() -> str:
-    """The adapter of the vendor guide, docs/vendor-guide.md (its first python block)."""
-    text = (REPO_ROOT / "docs" / "vendor-guide.md").read_text()
-    m = re.search(r"```python\n(.*?)```", text, re.S)
-    assert m, "docs/vendor-guide.md lost its python block"
-    return m.group(1)
-
-
-def test_readme_example_is_certified_on_its_own_ops_only_exact(tmp_path):
-    """The vendor guide's example (docs/vendor-guide.md), run as written from a package outside the repository:
-    CONFORMANT, and its scope holds only the one capability it declares, every case of it run on its own code."""
-    pkg = tmp_path / "proj" / "mypkg"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "fp8rl_engine.py").write_text(guide_adapter())
-    out = tmp_path / "r"
-    r = fp8rl(pkg.parent, "conformance", "--engine", "mypkg.fp8rl_engine:MyEngine", "--area", "quantization",
-              "--area", "invariants", "--out", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    scope = report(out)["summary"]["scope"]
-    assert list(scope["capabilities"]) == ["quantize.group"]
-    assert scope["oracle_cases"] == 0 and scope["untested"] == [] and scope["capabilities"]["quantize.group"]["engine"] > 0
-
-
 def test_fp16_zero_block_quantizer_fails_an_invariant_whatever_it_declares_exact(vendor_dir):
     """The vendor's block quantizer (scale in the input dtype, eps 1e-12): declaring its policy honestly is a load
     error (above); declaring fp8rl's fp32 policy instead still fails the universal invariant on fp16 zero blocks."""
