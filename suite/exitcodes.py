@@ -13,7 +13,8 @@
                           or it did not test the engine's own code — a capability the engine declares available ran
                           none of its cases on the engine's own code (every case refused with Unsupported, inherited
                           unchanged from fp8rl's oracle, or skipped), or no check ran engine code at all (the report's
-                          ``summary.scope`` names each such capability)
+                          ``summary.scope`` names each such capability); ``fp8rl parity``: underpowered, δ below
+                          the gap its seeds detect at 80 % power (no parity verdict; docs/learning-parity.md)
 ===  ===================  ===================================================================================
 """
 
