@@ -62,7 +62,7 @@ def _rel(p: Path) -> str:
 
 
 def _gate_rows(results: Path) -> list[tuple[Path, dict]]:
-    out = []
+    out: list[tuple[Path, dict]] = []
     for f in sorted(results.glob("*/gate.json")):
         try:
             doc = json.loads(f.read_text())

@@ -240,7 +240,7 @@ def judge(name: str, diffs: list[float], delta: float, boot: int, resolution: fl
     elif lo > delta or hi < -delta:
         verdict = "does-not-match"
         text = f"{name} does NOT match BF16 within δ = {delta}: {head} lies beyond ±δ; {power}"
-    elif not mde <= delta:
+    elif mde is None or not mde <= delta:
         verdict = "underpowered"
         text = f"{name}: underpowered: need {need} seeds — δ = {delta} is below the {power}; no parity verdict. {head}"
     elif -delta <= lo and hi <= delta:
