@@ -19,6 +19,7 @@ from fp8rl import capabilities, inputspace, journal, tolerances
 from fp8rl.engine import ORACLE_CALLS, Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
+from fp8rl.registry import defining_class
 
 # ----------------------------------------------------------------------------------------------------------------
 # check metadata
@@ -195,14 +196,14 @@ def op_origin(engine: Any, op: str) -> str:
     unchanged from a class of fp8rl's oracle, :data:`ORACLE_MODULES`, by an engine that is not the oracle itself)
     or ``"protocol"`` (the protocol's default, which raises Unsupported)."""
     cls = type(engine)
-    for klass in cls.__mro__:
-        if op in vars(klass):
-            if klass.__module__ == "fp8rl.engine":
-                return "protocol"
-            if _is_oracle_module(klass.__module__) and not _is_oracle_module(cls.__module__):
-                return "oracle"
-            return "engine"
-    return "engine"  # an instance attribute or __getattr__: the engine's own
+    klass = defining_class(cls, op)
+    if klass is None:
+        return "engine"  # an instance attribute or __getattr__: the engine's own
+    if klass.__module__ == "fp8rl.engine":
+        return "protocol"
+    if _is_oracle_module(klass.__module__) and not _is_oracle_module(cls.__module__):
+        return "oracle"
+    return "engine"
 
 
 #: the running check's record of the engine ops it called (set by the plugin for a check's setup, call and
