@@ -153,16 +153,20 @@ def cmd_findings(args: argparse.Namespace) -> int:
     if not args.reports and not args.from_xfails:
         print("fp8rl report findings: expected at least one report.json (or its directory), or --from-xfails")
         return EXIT_USAGE
+    from fp8rl.reports.merge import MergeError, find_reports
+
     rows = []
     for path in args.reports:
         try:
-            p = Path(path)
-            rows += F.findings_from_report(_load(path), p / "report.json" if p.is_dir() else p)
-        except (FileNotFoundError, ReportValidationError, json.JSONDecodeError) as exc:
+            for p in find_reports(path):  # a report, a run directory, or a folder of runs (the nightly's)
+                rows += F.findings_from_report(_load(str(p)), p)
+        except (MergeError, FileNotFoundError, ReportValidationError, json.JSONDecodeError) as exc:
             print(f"fp8rl report findings: {exc}")
             return EXIT_USAGE
-    if args.from_xfails:
-        rows += F.findings_from_entries(all_entries())
+    if args.from_xfails:  # an entry a report already shows as a case (same engine, case under its prefix) is not repeated
+        seen = [(r.engine, r.check) for r in rows]
+        rows += [e for e in F.findings_from_entries(all_entries())
+                 if not any(eng == e.engine and check.startswith(e.check) for eng, check in seen)]
     try:
         md, page = F.write(rows, args.out)
     except OSError as exc:
@@ -202,7 +206,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.set_defaults(func=cmd_upstream)
     f = rsub.add_parser("findings", help="findings.md / findings.html: every xfailed or failed case of the reports "
                                          "(engine, version, check, finding, repro command)")
-    f.add_argument("reports", nargs="*", help="report.json files or their directories")
+    f.add_argument("reports", nargs="*", help="report.json files, run directories, or folders searched for them")
     f.add_argument("--from-xfails", action="store_true",
                    help="also list every entry of every vendor xfails file fp8rl ships (no report needed)")
     f.add_argument("--out", default="fp8rl-findings", help="directory for findings.md / findings.html")

@@ -134,3 +134,28 @@ def test_findings_rows_for_a_report():
     rows = F.findings_from_report(rep, Path("/r/report.json"))
     assert [(r.check, r.project, r.finding, r.repro) for r in rows] == [
         ("A-B-001[x]", "vLLM", "2/9 differ", "fp8rl repro /r 'A-B-001[x]'")]
+
+
+def test_findings_search_a_folder_of_runs_and_list_an_entry_once(xfailed_report, tmp_path):
+    """The nightly hands `fp8rl report findings` folders of runs (one report.json per engine, nested): every report
+    below the folder is read, and a vendor entry whose case a report already shows (same engine, case under the
+    entry's prefix) is one row, the report's, not two."""
+    from fp8rl.cli import main
+
+    rep = json.loads((xfailed_report / "report.json").read_text())
+    runs = tmp_path / "runs"
+    for sub, engine, case in (("a/mutant", rep["engine"]["name"], None), ("b/torchao", "torchao", "tensor")):
+        doc = json.loads(json.dumps(rep))
+        doc["engine"]["name"] = engine
+        if case is not None:  # the torchao entry QUANT-EDGE-001[tensor] shipped in conformance/vendors/torchao.xfails
+            doc["checks"][0].update(id="QUANT-EDGE-001", area="quantization", case=case,
+                                    nodeid="test_quantization.py::test_x[tensor]")
+        (runs / sub).mkdir(parents=True)
+        (runs / sub / "report.json").write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    assert main(["report", "findings", str(runs), "--from-xfails", "--out", str(out)]) == 0
+    md = (out / "findings.md").read_text()
+    n = _count_entry_lines(U.vendor_dir())
+    assert f"{n + 2 - 1} findings." in md  # two report rows + every entry but the one the torchao report shows
+    rows = [line for line in md.splitlines() if "QUANT-EDGE-001[tensor]" in line and line.startswith("| torchao ")]
+    assert len(rows) == 1 and "| xfailed |" in rows[0], rows
