@@ -388,12 +388,14 @@ def nightly(session: nox.Session) -> None:
     """The false-alarm measurement: the reference and torch engines over seeds 0..19 at --profile nightly (a checks ×
     seeds table per engine in fp8rl-nightly/<engine>/sweep.md); fails if any cell of a correct engine fails.
 
-    Then, whatever the sweep found: the engines' first-seed reports merged into one engine × check matrix
+    Then, whatever the sweep found: learning parity's default run and its positive controls (fp8rl-nightly/parity*,
+    a control not caught fails the session), the engines' first-seed reports merged into one engine × check matrix
     (fp8rl-nightly/merge/merge.html), after vLLM on CPU measured vs the perf model and gated (perf/cpu_bench.py, in
     the vLLM tier's venv, fp8rl-nightly/perf-vllm; a gate failure fails the session) and the vLLM tier's conformance
     runs (fp8rl-nightly/vllm; a non-conformant run fails the session); with
     FP8RL_NIGHTLY_BASELINE=<an earlier fp8rl-nightly folder>, ``fp8rl report
-    diff`` of each engine against it (a regression fails the session); asv over every benchmark of perf/benchmarks
+    diff`` of each engine against it (a regression fails the session); the findings page (every vendor xfails entry
+    and the night's xfailed/failed cases, fp8rl-nightly/findings); asv over every benchmark of perf/benchmarks
     (the oracle's, the model's, and the conformance counts and wall time per engine read from this night's reports:
     reference, torch, and vLLM's four engines, its rollout run a series of its own)
     on the machine named by FP8RL_ASV_MACHINE (default: this host's asv machine), and the dashboard published to
@@ -455,6 +457,7 @@ def nightly(session: nox.Session) -> None:
     run_or_note("asv run (a benchmark failed)", "asv", "run", *ASV_CONF, *machine_args, "--python=same",
                 f"--set-commit-hash={head}", "--show-stderr", *session.posargs[1:],
                 env={"FP8RL_ASV_REPORTS": os.pathsep.join([*reports, str(ROOT / "fp8rl-nightly" / "vllm")]),
+                     "FP8RL_ASV_PARITY": str(ROOT / "fp8rl-nightly"),
                      "FP8RL_ASV_ENGINE_PERF": str(ROOT / "fp8rl-nightly" / "perf-vllm")})
     session.run("asv", "publish", *ASV_CONF)
     _asv_offline(session, ".asv/html")

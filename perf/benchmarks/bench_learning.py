@@ -84,3 +84,34 @@ class ToyGRPOParity(Benchmark):
         return verdicts[condition]["mean_grad_cosine"]
 
     track_grad_cosine.unit = "cosine"  # type: ignore[attr-defined]
+
+
+#: folder holding the nightly's ``parity-<control>/parity.json`` (``nox -s nightly`` sets it to fp8rl-nightly)
+PARITY_ENV = "FP8RL_ASV_PARITY"
+CONTROLS = ["noise", "wrong-policy", "inverted-ratio"]
+
+
+class ParityControls(Benchmark):
+    """fp8rl parity's positive controls, as the nightly ran them (8 seeds × 30 steps): the smallest strength at which
+    parity said "does not match BF16" (noise and inverted ratio: σ of the logit noise; wrong-policy: the sampling
+    temperature), read from ``$FP8RL_ASV_PARITY/parity-<control>/parity.json``'s ``control.smallest_detected``.
+    A control never caught is NaN on the dashboard (and fails the nightly)."""
+
+    params = (CONTROLS,)
+    param_names = ["control"]
+
+    def setup(self, control):
+        import json
+        from pathlib import Path
+
+        folder = os.environ.get(PARITY_ENV)
+        path = Path(folder or ".") / f"parity-{control}" / "parity.json"
+        if not folder or not path.is_file():
+            raise NotImplementedError(f"no {path} ({PARITY_ENV} names the nightly's folder)")
+        self.control = json.loads(path.read_text()).get("control") or {}
+
+    def track_smallest_detected(self, control):
+        value = self.control.get("smallest_detected")
+        return float("nan") if value is None else float(value)
+
+    track_smallest_detected.unit = "sigma or temperature"  # type: ignore[attr-defined]

@@ -312,3 +312,25 @@ def test_published_dashboard_draws_a_graph_offline_and_asvs_own_page_does_not(pu
     finally:
         server.shutdown()
     assert SWALLOW in dom and 'class="flot-base"' not in dom
+
+
+def test_parity_control_track_reads_the_nightlys_smallest_detected_strength(tmp_path, monkeypatch):
+    """The dashboard's 'smallest σ detected' of each parity control is the nightly's parity-<control>/parity.json
+    control.smallest_detected; a control the night did not run is a skipped benchmark, one never caught is NaN."""
+    import math
+
+    for control, smallest in (("noise", 2.0), ("wrong-policy", None)):
+        (tmp_path / f"parity-{control}").mkdir()
+        (tmp_path / f"parity-{control}" / "parity.json").write_text(json.dumps(
+            {"control": {"name": control, "smallest_detected": smallest}}))
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "perf"))
+    monkeypatch.setenv("FP8RL_ASV_PARITY", str(tmp_path))
+    from benchmarks.bench_learning import ParityControls
+
+    b = ParityControls()
+    b.setup("noise")
+    assert b.track_smallest_detected("noise") == 2.0
+    b.setup("wrong-policy")
+    assert math.isnan(b.track_smallest_detected("wrong-policy"))
+    with pytest.raises(NotImplementedError):
+        b.setup("inverted-ratio")
