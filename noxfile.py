@@ -18,6 +18,7 @@ and reports the drift.
     nox -s nightly             the false-alarm sweep (reference, torch, 20 seeds), report merge, asv + offline dashboard
     nox -s lock                regenerate every lock in locks/ (uv pip compile; see locks/README.md); -- TIER: one
     nox -s upstream            nightly: every tier locked vs latest-allowed, drift report in ./fp8rl-upstream
+    nox -s matrix -- ARGS      fp8rl matrix: which versions of a tier's library have which finding (locks/ray.txt)
     nox -s docs_tiers          regenerate docs/tiers.md and locks/README.md's table from TIERS
 
 Run a session in an environment you already have (CI does this for the base venv) with ``nox --no-venv -s NAME``.
@@ -591,10 +592,10 @@ def lock(session: nox.Session) -> None:
     if os.environ.get("FP8RL_TORCH_INDEX"):
         sources += ["--extra-index-url", os.environ["FP8RL_TORCH_INDEX"], "--index-strategy", "unsafe-best-match"]
     build = LOCKS / "build.in"  # the build backend, so that fp8rl installs with --no-build-isolation
-    names = session.posargs or list(TIERS)  # `nox -s lock -- checkpoint`: that tier's lock only
-    unknown = sorted(set(names) - set(TIERS))
+    names = session.posargs or [*TIERS, RAY_LOCK]  # `nox -s lock -- checkpoint`: that tier's lock only
+    unknown = sorted(set(names) - set(TIERS) - {RAY_LOCK})
     if unknown:
-        session.error(f"posargs: expected tier names among {list(TIERS)}, got {unknown}")
+        session.error(f"posargs: expected tier names among {list(TIERS)} or {RAY_LOCK!r}, got {unknown}")
     for tier in (TIERS[n] for n in TIERS if n in names):  # TIERS order: a tier's lock_constraints come first
         out = lock_path(tier.name)
         extras = [a for e in tier.extras.split(",") for a in ("--extra", e)]
@@ -609,9 +610,35 @@ def lock(session: nox.Session) -> None:
                 fh.write("# installed without their declared dependencies (see noxfile.py TIERS):\n")
                 for pkg in tier.no_deps:
                     fh.write(f"{pkg}\n")
+    if RAY_LOCK in names:  # the base lock's versions plus ray (fp8rl matrix --ray; nox -s matrix)
+        session.run(uv, "pip", "compile", "pyproject.toml", str(build), "--extra", "test", "--extra", "lint", "--extra",
+                    "ray", "-c", str(LOCKS / "torch-cpu.txt"), "-c", str(lock_path("base")), *sources,
+                    "--python-version", PYTHON_VERSION, "--python-platform", "x86_64-manylinux_2_28",
+                    "--custom-compile-command", "nox -s lock", "--quiet", "-o", str(lock_path(RAY_LOCK)), external=True)
     session.run(uv, "pip", "compile", str(LOCKS / "tools.in"), "--python-version", PYTHON_VERSION,
                 "--python-platform", "x86_64-manylinux_2_28", "--custom-compile-command", "nox -s lock", "--quiet",
                 "-o", str(LOCKS / "tools.txt"), external=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# version matrix (nightly, or on demand)
+
+#: locks/ray.txt: the base lock plus the ``ray`` extra, the environment of ``nox -s matrix`` (not a tier: it runs no
+#: engine itself, its cells build their own venvs from a tier's lock)
+RAY_LOCK = "ray"
+
+
+@nox.session
+def matrix(session: nox.Session) -> None:
+    """fp8rl matrix (docs/version-matrix.md): which versions of a tier's library have which finding, e.g. ``nox -s
+    matrix -- --tier checkpoint --package compressed-tensors --versions 0.14..0.20.1 --area quantization``; add
+    ``--ray ADDRESS`` to run the cells on a Ray cluster. Runs in an environment from locks/ray.txt; each cell makes
+    its own venv with uv (the tier's lock, that one package overridden). Output in build/fp8rl-matrix."""
+    if not session.posargs:
+        session.error("usage: nox -s matrix -- --tier TIER --package PACKAGE --versions A..B [fp8rl matrix options]")
+    if not _no_venv(session):
+        install_locked(session, Tier(RAY_LOCK, "test,lint,ray"))
+    session.run("fp8rl", "matrix", *session.posargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

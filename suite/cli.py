@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: modules that add subcommands (imported only if present in this installation)
 EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.report_cli", "fp8rl.perf.cli", "fp8rl.presets_cli", "fp8rl.parity",
-                         "fp8rl.checkpoint_cli", "fp8rl.repro", "fp8rl.claims")
+                         "fp8rl.checkpoint_cli", "fp8rl.repro", "fp8rl.claims", "fp8rl.matrix")
 
 
 def main(argv: list[str] | None = None) -> int:
