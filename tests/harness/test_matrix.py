@@ -276,6 +276,24 @@ def test_versions_list_and_range():
             MX.parse_versions(bad, lambda: releases)
 
 
+def test_pypi_releases_leave_out_pre_releases_and_wholly_yanked_ones(monkeypatch):
+    import io
+    import urllib.request
+
+    data = {"releases": {"0.9.0": [{"yanked": False}], "0.10.0": [{"yanked": True}, {"yanked": False}],
+                         "0.11.0": [{"yanked": True}], "0.12.0rc1": [{"yanked": False}], "0.12.0": [],
+                         "0.12.1": [{"yanked": False}], "not-a-version": [{"yanked": False}]}}
+    seen = []
+
+    def urlopen(url, timeout):
+        seen.append(url)
+        return io.BytesIO(json.dumps(data).encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    assert MX.pypi_releases("torchao") == ["0.9.0", "0.10.0", "0.12.1"]
+    assert seen == ["https://pypi.org/pypi/torchao/json"]
+
+
 @pytest.mark.parametrize(("argv", "msg"), [
     (["--versions", "1,2"], "--tier and --package: both required"),
     (["--tier", "nope", "--package", "torchao", "--versions", "1,2"], "--tier: 'nope' is no tier"),
@@ -330,6 +348,31 @@ def test_findings_of_the_packaged_compressed_tensors_matrix_at_the_locked_versio
     (ans,) = json.loads(capsys.readouterr().out)
     has = {f["finding"] for f in ans["findings"] if f["has"]}
     assert {"QUANT-EDGE-003[tensor]", "QUANT-EDGE-003[channel]", "QUANT-EDGE-003[block]"} <= has
+
+
+def test_findings_defaults_to_the_installed_version(tmp_path, capsys):
+    from importlib.metadata import version
+
+    here = version("jsonschema")  # any package installed here stands in for an upstream library
+    older = "0.0.1"
+    m = {"kind": "fp8rl-matrix", "format": 1, "tier": "", "package": "jsonschema", "locked_version": "",
+         "runs": [{"label": "x", "engine": "x", "args": []}], "cell_command": "c", "mode": "all", "executor": "t",
+         "created": "2026-12-05T00:00:00+00:00", "versions": [older, here],
+         "cells": [{"version": older, "status": "ran"}, {"version": here, "status": "ran"}],
+         "rows": [{"key": "Q-1", "engine": "", "case": "Q-1",
+                   "cells": {older: {"outcome": "xfailed", "message": "m"}, here: {"outcome": "passed"}},
+                   "first_bad": None, "first_bad_note": "present in the oldest", "first_fixed": here,
+                   "first_fixed_note": here, "transitions": [], "monotone": True}],
+         "other": {"key": "all other checks", "cells": {older: {"outcome": "passed"}, here: {"outcome": "passed"}}},
+         "bisection": {"assumption": "a", "cells_run": 2, "cells_total": 2, "non_monotone": []}}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m))
+    assert main(["findings", "--matrix", str(path), "--json"]) == 0
+    (ans,) = json.loads(capsys.readouterr().out)
+    assert ans["version"] == here and [(f["finding"], f["has"]) for f in ans["findings"]] == [("Q-1", False)]
+    assert main(["findings", "--matrix", str(path), "--version", older]) == 0
+    out = capsys.readouterr().out
+    assert f"jsonschema {older}: 1 of 1 known findings" in out and "Q-1" in out and "has it" in out
 
 
 def test_findings_bad_input_names_the_argument(tmp_path, capsys):
