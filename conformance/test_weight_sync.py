@@ -256,3 +256,108 @@ def test_mx_weight_sync_dequant_bound(engine, model, recipe):
                                  f"({type(exc).__name__}: {exc})") from None
         assert_within_bound(deq, x, tolerances.mx_roundtrip_bound(q, x),
                             context=f"{model} {recipe}: {name} ({policy.name})")
+
+
+# ---- refit: each RL step's FP8 refit into the engine's live inference model, read back -----------------------------
+# (engine verl-vllm-refit: veRL's vllm_quant_utils refit into vLLM's model classes; docs/verl-vllm-refit.md)
+
+#: how many refits with changing weights each refit check performs
+REFIT_STEPS = 3
+
+
+@functools.lru_cache(maxsize=16)
+def _step_state_dict(model: str, step: int) -> dict[str, torch.Tensor]:
+    """The trainer's BF16 weights at RL step ``step``: the fixture (0), its ``update`` variant (1), then the update
+    variant with a seeded perturbation of every floating tensor — norms and biases included — (2, 3, ...), so that
+    every tensor, quantized or kept in BF16, changes from one step to another."""
+    if step == 0:
+        return fixtures.tiny_model(model).state_dict
+    base = fixtures.tiny_model(model, "update").state_dict
+    if step == 1:
+        return base
+    g = torch.Generator().manual_seed(7919 * step + 17)
+    out = {}
+    for n, t in base.items():
+        if not t.is_floating_point():
+            out[n] = t
+            continue
+        x = t.float()
+        out[n] = (x + (0.25 * x.abs().mean() + 1e-3) * torch.randn(x.shape, generator=g)).to(torch.bfloat16)
+    return out
+
+
+def _refit_problems(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                    before: dict[str, torch.Tensor] | None) -> list[str]:
+    """:func:`_diff_synced`, each differing tensor classified: silently cast (a BF16 tensor where FP8 codes are
+    due, or the reverse), stale (equal to the previous step's expected tensor), or wrong."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    out = []
+    if missing:
+        out.append(f"missing {len(missing)}: {missing[:4]}")
+    if extra:
+        out.append(f"unexpected {len(extra)}: {extra[:4]}")
+    for line in _diff_synced({k: got[k] for k in want if k in got}, {k: w for k, w in want.items() if k in got}):
+        name = line.split(":", 1)[0]
+        g, w = got.get(name), want.get(name)
+        if g is not None and w is not None and g.dtype != w.dtype:
+            line = f"{line} (silently cast: {g.dtype} held where {w.dtype} is due)"
+        elif before is not None and name in before and g is not None and g.dtype == before[name].dtype and \
+                g.shape == before[name].shape and torch.equal(g.contiguous().view(torch.uint8),
+                                                              before[name].contiguous().view(torch.uint8)):
+            line = f"{line} (stale: the previous step's value)"
+        out.append(line)
+    return out
+
+
+@MODELS
+@check("WSYNC-REFIT-001", "After each of 3 refits with changing weights, every parameter the engine's live model "
+       "holds, read back in the layout its kernels consume (FP8 codes, *_weight_scale_inv scales, BF16 leftovers), "
+       "equals the oracle's weight sync of that step's BF16 weights under the engine's declared block policy, bit "
+       "for bit: the quantized set is exactly the projections (embeddings, lm_head, norms, biases, router and "
+       "shared-expert gate stay BF16), none stale, none silently cast, none missing, none extra.",
+       requires=["weight_sync.refit"])
+def test_refit_steps_exact(engine, model):
+    config = fixtures.tiny_model(model).config
+    recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
+    before = None
+    for step in range(REFIT_STEPS):
+        sd = _step_state_dict(model, step)
+        got = engine.refit(config, sd)
+        want = ws.quantize_state_dict(sd, recipe)
+        bad = _refit_problems(got, want, before)
+        assert not bad, (f"{model}: after refit {step + 1}/{REFIT_STEPS}, {len(bad)} parameters of the live model "
+                         f"differ from the oracle's sync of that step's weights ({recipe.policy.name}): "
+                         + "; ".join(bad[:6]))
+        before = want
+
+
+@MODELS
+@check("WSYNC-REFIT-002", "A refit that fails (a weight of the wrong shape in the middle of the step's stream) "
+       "raises, and the live model still holds the previous step's parameters bit for bit: no tensor of the failed "
+       "step is left behind (a half-updated policy).", requires=["weight_sync.refit"])
+def test_refit_failure_atomic_exact(engine, model):
+    from fp8rl.engine import EngineError
+
+    config = fixtures.tiny_model(model).config
+    recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
+    prev = _step_state_dict(model, 0)
+    engine.refit(config, prev)
+    bad_sd = dict(_step_state_dict(model, 1))
+    names = ws.quantized_names(bad_sd)
+    victim = names[len(names) // 2]  # mid-stream: the tensors before it are valid
+    bad_sd[victim] = bad_sd[victim][:-1].clone()
+    with pytest.raises(EngineError):
+        engine.refit(config, bad_sd)
+    after = engine.refit(config, None)
+    want = ws.quantize_state_dict(prev, recipe)
+    bad = _refit_problems(after, want, None)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    stepped = [n for n, t in ws.quantize_state_dict(bad_sd, recipe).items()
+               if n in after and n in want and same(after[n], t) and not same(after[n], want[n])]
+    assert not bad, (f"{model}: after a refit that failed at {victim} (one row short), {len(bad)} parameters differ "
+                     f"from the previous step's; {len(stepped)} hold the failed step's values (half-updated: "
+                     f"{stepped[:4]}): " + "; ".join(bad[:4]))

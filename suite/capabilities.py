@@ -89,6 +89,9 @@ def _table() -> dict[str, Capability]:
                    "π_prox/π_behave, token-mean over the original mask"),
         Capability("weight_sync", "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
                    "weight_sync: BF16 → FP8 128×128 state-dict sync (*_weight_scale_inv), exclusions"),
+        Capability("weight_sync.refit", "weight_sync", ("refit", "weight_sync", "_weight_sync_recipe", "scale_policy"),
+                   "refit(config, state_dict): each step's FP8 refit into the live inference model, every "
+                   "parameter read back (codes, scales, BF16 leftovers); a failed refit raises, nothing half-updated"),
         Capability("rollout", "e2e", _ROLLOUT_OPS, "rollout_init / rollout: generation with reported log-probs"),
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),

@@ -276,6 +276,24 @@ class RolloutOps:
         """
         raise Unsupported(f"{self.name} has no weight_sync op")
 
+    def refit(self, config: Any, state_dict: Any) -> dict[str, torch.Tensor]:
+        """One RL step's FP8 refit into the engine's live inference model, read back (capability
+        ``weight_sync.refit``).
+
+        ``config``: the HF config dict of the model; the engine builds its live FP8 model (FP8 linears per its
+        quantization config) on the first call for a config and keeps it: every later call with that config is a
+        refit of the same live model. ``state_dict``: the trainer's weights at this step, checkpoint names, BF16 (or
+        fp32 master weights), streamed through the engine's own per-step quantize-and-load path; ``None``: no sync,
+        only the read-back. A refit that fails must raise and leave the live model as it was before the call.
+
+        Returns every parameter the live model holds after the call, read back from the model in the layout its
+        kernels consume and under checkpoint names (fused layers split into their checkpoint parts): FP8 weights
+        ``name`` (``torch.float8_e4m3fn``, the weight's shape) + ``name + "_scale_inv"`` (fp32 dequant scales,
+        (⌈N/128⌉, ⌈K/128⌉)), every other parameter in its dtype (BF16). Copies: the caller may keep them across
+        refits. The oracle: the step's :meth:`weight_sync` output (fp8rl.reference.weight_sync).
+        """
+        raise Unsupported(f"{self.name} has no refit op")
+
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         """Start a rollout policy: the model of HF ``config`` (dict) with BF16 ``state_dict`` under numerics
         ``recipe`` (see the capability keys above; FP8-linear recipes quantize through the engine's own weight

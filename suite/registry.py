@@ -29,6 +29,7 @@ BUILTINS: dict[str, str] = {
     "vllm-triton-colmajor": "fp8rl.engines.vllm_triton:VllmTritonColMajorEngine",
     "vllm-triton-ue8m0": "fp8rl.engines.vllm_triton:VllmTritonUe8m0Engine",
     "verl-triton": "fp8rl.engines.verl_triton:VerlTritonEngine",
+    "verl-vllm-refit": "fp8rl.engines.verl_vllm_refit:VerlVllmRefitEngine",
     "sglang": "fp8rl.engines.sglang:SglangEngine",
     "triton-interpret": "fp8rl.engines.triton_interpret:TritonInterpretEngine",
     "triton-interpret-faithful": "fp8rl.engines.triton_interpret:TritonInterpretFaithfulEngine",

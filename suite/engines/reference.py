@@ -213,6 +213,39 @@ class ReferenceEngine(Engine):
             ReferenceEngine._E2E_SYNC_MEMO[key] = hit
         return dict(hit)
 
+    def _refit_live(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live model of each config (JSON key) this engine has refit: name → tensor, as weight_sync ships."""
+        live = self.__dict__.get("_refit_models")
+        if live is None:
+            live = self.__dict__["_refit_models"] = {}
+        return live
+
+    def refit(self, config, state_dict):
+        """The oracle's refit: the live model of ``config`` holds the step's :meth:`weight_sync` output. The first
+        refit of a config defines the model's parameter set; a later one may carry any subset (a bucket) and is
+        validated entirely (names, shapes, dtypes) before anything is replaced, so a failed refit changes nothing."""
+        import json
+
+        key = json.dumps(config, sort_keys=True, default=str)
+        models = self._refit_live()
+        live = models.get(key)
+        if state_dict is not None:
+            synced = self.weight_sync(state_dict)
+            if live is not None:
+                bad = [f"{n}: {tuple(t.shape)} {t.dtype}" + ("" if n not in live else
+                                                             f", the model holds {tuple(live[n].shape)} {live[n].dtype}")
+                       for n, t in synced.items()
+                       if n not in live or live[n].shape != t.shape or live[n].dtype != t.dtype]
+                if bad:
+                    raise ValueError(f"refit: {len(bad)} tensors do not fit the live model: " + "; ".join(bad[:4]))
+                live = {**live, **synced}
+            else:
+                live = dict(synced)
+            models[key] = live
+        if live is None:
+            raise ValueError("refit(config, None): no live model of this config (refit it with weights first)")
+        return {n: t.clone() for n, t in live.items()}
+
     # -- area checkpoint: the oracle's blockwise-FP8 checkpoint writer and reader (fp8rl.reference.checkpoint) -------
     def checkpoint_write(self, out_dir, config, state_dict):
         from fp8rl.reference import checkpoint as ck

@@ -28,6 +28,7 @@ from . import (
     learning,
     quantization,
     weight_sync,
+    weight_sync_refit,
 )
 from ._base import Mutant, mutant
 
@@ -49,7 +50,7 @@ def _collect(modules: Iterable[ModuleType]) -> dict[str, Mutant]:
 
 
 #: every mutant, by name
-MUTANTS: dict[str, Mutant] = _collect(AREA_MODULES)
+MUTANTS: dict[str, Mutant] = _collect(AREA_MODULES + (weight_sync_refit,))  # area weight_sync (its docstring)
 
 
 def make_mutant(name: str) -> ReferenceEngine:
