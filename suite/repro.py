@@ -144,32 +144,53 @@ class Rerun:
     returncode: int
     calls_dir: Path
     output: str
+    #: label → {"outcome", "message", "nodeid"} of each case the rerun reported
+    cases: dict[str, dict] = field(default_factory=dict)
 
 
-def rerun_with_capture(engine: str, label: str, seed: int, profile: str, workdir: Path, *,
+def _rerun_entry(checks: list[dict], label: str) -> dict | None:
+    for c in checks:
+        if case_label(c) == label or (c["id"] == label and c["outcome"] != "skipped"):
+            return c
+    return None
+
+
+def rerun_with_capture(engine: str, labels: str | list[str], seed: int, profile: str, workdir: Path, *,
                        timeout: float) -> Rerun:
-    """Run one case again with op-call capture on (a subprocess ``fp8rl conformance`` in one process)."""
+    """Run one or several cases again with op-call capture on, in one subprocess ``fp8rl conformance`` of one
+    process (``-k 'A or B ...'``): each captured call names the check running it (its pytest node id)."""
     from fp8rl.repro_capture import CAPTURE_ENV
 
+    labels = [labels] if isinstance(labels, str) else list(labels)
     calls = workdir / "calls"
     out = workdir / "report"
     calls.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "fp8rl", *conformance_args(engine, label, seed, profile), "--out", str(out),
-           "--no-isolation"]
+    cmd = [sys.executable, "-m", "fp8rl", *conformance_args(engine, " or ".join(labels), seed, profile), "--out",
+           str(out), "--no-isolation"]
     env = {**os.environ, CAPTURE_ENV: str(calls)}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return Rerun("timeout", f"the rerun took longer than {timeout:g} s", -1, calls, "")
-    outcome, message = "not_run", ""
+        return Rerun("timeout", f"the rerun took longer than {timeout:g} s", -1, calls, "",
+                     {lb: {"outcome": "timeout", "message": "", "nodeid": None} for lb in labels})
     rep = out / "report.json"
-    if rep.is_file():
-        data = json.loads(rep.read_text())
-        for c in data.get("checks", []):
-            if case_label(c) == label or (c["id"] == label and c["outcome"] != "skipped"):
-                outcome, message = c["outcome"], c.get("message", "")
-                break
-    return Rerun(outcome, message, proc.returncode, calls, (proc.stdout + proc.stderr)[-4000:])
+    checks = json.loads(rep.read_text()).get("checks", []) if rep.is_file() else []
+    cases = {}
+    for lb in labels:
+        c = _rerun_entry(checks, lb)
+        cases[lb] = ({"outcome": c["outcome"], "message": c.get("message", ""), "nodeid": c.get("nodeid")} if c
+                     else {"outcome": "not_run", "message": "", "nodeid": None})
+    first = cases[labels[0]]
+    return Rerun(str(first["outcome"]), str(first["message"]), proc.returncode, calls, (proc.stdout + proc.stderr)[-4000:],
+                 cases)
+
+
+def calls_of_case(calls: list, nodeid: str | None) -> list:
+    """The captured calls made while the check ``nodeid`` ran (setup included): ``Call.check`` is pytest's
+    PYTEST_CURRENT_TEST, ``'<nodeid> (setup|call|teardown)'``."""
+    if nodeid is None:
+        return []
+    return [c for c in calls if c.check.rsplit(" (", 1)[0] == nodeid]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,6 +307,42 @@ _BODIES: dict[str, tuple[str, str]] = {
 """),
 }
 
+_BODIES.update({
+    "block_gemm": (
+        "from fp8rl.repro_ops import explain_block_gemm, gemm_oracle\n",
+        """    a, w, out_dtype = call.args  # QuantizedTensors: codes, scale, granularity, policy (call.json)
+    got = engine.block_gemm(a, w, out_dtype)  # the engine's op on the captured operands
+    expected, bound = gemm_oracle(a, w, out_dtype)  # the exact fp64 product; the gemm_fp32_accum bound
+    return explain_block_gemm(a, w, out_dtype, got, expected, bound, limit=limit)
+"""),
+    "kv_attention": (
+        "from fp8rl.repro_ops import explain_kv_attention, kv_attention_oracle\n",
+        """    q, k_cache, v_cache = call.args  # k_cache, v_cache: KVCache (codes, scale, fmt, layout)
+    kw = call.kwargs  # q_scale, causal, q_lengths, kv_lengths, sm_scale as the check passed them
+    got = engine.kv_attention(q, k_cache, v_cache, **kw)  # the engine's op on the captured input
+    policy = engine.kv_policy(k_cache.fmt, k_cache.layout)  # the KV numerics it declares (call.json: declared)
+    expected, bound, q_hat = kv_attention_oracle(policy, q, k_cache, v_cache, kw)  # fp8rl's FP8 attention
+    return explain_kv_attention(q, k_cache, v_cache, kw, policy, got, expected, bound, q_hat, limit=limit)
+"""),
+    "correction_loss": (
+        "from fp8rl.repro_ops import correction_loss_oracle, engine_correction_loss, explain_correction_loss\n",
+        """    logp, old_logp, advantages, mask, weights, config = call.args
+    # the engine's loss and its gradient with respect to logp (a fresh leaf, as the check makes it)
+    loss, grad, why = engine_correction_loss(engine, logp, old_logp, advantages, mask, weights, config)
+    oracle = correction_loss_oracle(logp, old_logp, advantages, mask, weights, config)  # float64, and the bounds
+    return explain_correction_loss(logp, old_logp, advantages, mask, weights, config, loss, grad, oracle, why=why,
+                                   limit=limit)
+"""),
+    "weight_sync": (
+        "from fp8rl.repro_ops import explain_weight_sync, weight_sync_oracle\n",
+        """    (state_dict,) = call.args  # checkpoint names -> tensors
+    got = engine.weight_sync(state_dict)  # the engine's op on the captured input
+    policy = engine.scale_policy("block")  # the block policy it declares (call.json: declared)
+    expected = weight_sync_oracle(state_dict, policy)  # fp8rl's oracle (fp8rl.reference.weight_sync)
+    return explain_weight_sync(state_dict, policy, got, expected, limit=limit)
+"""),
+})
+
 _RAISES = ("from fp8rl.repro_ops import explain_raises\n",
            """    return explain_raises(engine, OP, call.args, call.kwargs)  # the op raised in the check
 """)
@@ -368,11 +425,14 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 while the case still fails, 0 once it passes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "fp8rl", *ARGS, "--out", tmp], check=False)
+        proc = subprocess.run([sys.executable, "-m", "fp8rl", *ARGS, "--out", tmp], capture_output=True, text=True,
+                              check=False)
         report = Path(tmp) / "report.json"
         checks = json.loads(report.read_text())["checks"] if report.is_file() else []
     hit = [c for c in checks if (f"{{c['id']}}[{{c['case']}}]" if c.get("case") else c["id"]) == LABEL]
     outcome = hit[0]["outcome"] if hit else "not_run"
+    if not hit:  # the run wrote no result for the case: show how it ended
+        print((proc.stdout + proc.stderr)[-3000:])
     print(f"{{LABEL}}: {{outcome}}")
     if hit and hit[0].get("message"):
         print(hit[0]["message"])
@@ -492,84 +552,188 @@ class Written:
     n_bad: int
 
 
+def _model_in_case(case: str) -> str | None:
+    """The tiny-model fixture a case label names (the longest fixture name in it), or None."""
+    from fp8rl import fixtures
+
+    hits = [m for m in fixtures.TINY_MODELS if m in case]
+    return max(hits, key=len) if hits else None
+
+
+def uncapturable_input(entry: dict, run_seed: int, command: str) -> tuple[str, dict[str, Any]] | None:
+    """For a checkpoint or e2e case: (why its input can't be captured as a standalone op call, and which fixture and
+    seed rebuild it); None for other areas."""
+    from fp8rl import fixtures
+
+    area = entry.get("area") or ""
+    if area not in ("checkpoint", "e2e"):
+        return None
+    model = _model_in_case(entry.get("case") or "")
+    info: dict[str, Any] = {"area": area, "model": model, "run_seed": run_seed}
+    if model is not None:
+        spec = fixtures.tiny_model_spec(model)
+        info["model_seed"] = int(spec["seed"])
+        weights = (f"the weights are fp8rl's tiny-model fixture {model!r}, generated deterministically by the "
+                   f"installed fp8rl from seed {spec['seed']} of fixtures/tiny_models.json "
+                   f"(fp8rl.fixtures.tiny_model({model!r}); the trainer's fp32 masters "
+                   f"fp8rl.fixtures.master_state_dict({model!r}); after a simulated RL step the 'update' variant of "
+                   "the same seed)")
+    else:
+        weights = (f"the weights are generated inside the check from fixed seeds (conformance/test_{area}.py) by the "
+                   "installed fp8rl")
+    if area == "checkpoint":
+        why = ("Area checkpoint: the op's input or output is a checkpoint directory on disk (checkpoint_write writes "
+               "one; checkpoint_load, checkpoint_score and checkpoint_attention_scales read one), not a tensor call "
+               f"that can be saved and replayed alone. Nor is there data to capture: {weights}, so `{command}` "
+               "rebuilds the exact input.")
+    else:
+        why = ("Area e2e: the op is a rollout of a whole model — rollout_init(config, state_dict, recipe) builds the "
+               "engine's live model and returns a handle, then rollout / rollout_logits / update_weights run on "
+               f"it — so its input is engine-side state, not a tensor call that can be replayed alone. {weights}; "
+               "the prompts are fixtures/prompts.json (fp8rl.fixtures.prompt_ids) and sampling is seeded by the "
+               f"run seed {run_seed}, so `{command}` reruns the exact case.")
+    return why, info
+
+
+@dataclass
+class _Job:
+    entry: dict
+    label: str
+    dest: Path
+
+
+def _plan(report_json: Path, report: dict, labels: list[str], out: str | os.PathLike | None) -> list[_Job]:
+    """Validate every label (a failed, error or xfailed case of the report) and prepare each destination."""
+    jobs: list[_Job] = []
+    seen = set()
+    for raw in labels:
+        entry = find_case(report, raw)
+        label = case_label(entry)
+        if label in seen:
+            continue
+        seen.add(label)
+        if entry["outcome"] not in REPRODUCIBLE:
+            raise ReproError(f"case: {label} {entry['outcome']} in {str(report_json)!r}; expected a failed, error or "
+                             "xfailed case (nothing to reproduce)")
+        jobs.append(_Job(entry, label, Path(out) if out is not None else default_out(report_json, label)))
+    if not jobs:
+        raise ReproError("case: expected at least one CHECK-ID[case]")
+    if len(jobs) > 1 and out is not None:
+        base = Path(out)
+        if base.exists() and not base.is_dir():
+            raise ReproError(f"--out: {str(base)!r} exists and is not a directory; with several cases, --out is the "
+                             "directory that gets one folder per case")
+        for j in jobs:
+            j.dest = base / _safe(j.label)
+    for j in jobs:
+        _prepare(j.dest)
+    return jobs
+
+
+def make_repros(report_path: str | os.PathLike, labels: list[str], out: str | os.PathLike | None = None, *,
+                timeout: float = 1800.0, log: Any = print) -> list[Written]:
+    """Write the repro folder of each case in ``labels`` (see the module docstring), from ONE rerun of them all.
+    With one case, ``out`` is its folder; with several, ``out`` is a directory holding ``<out>/<case>/`` each
+    (default: ``<report dir>/repro/<case>``)."""
+    report_json, report = load_report_dir(report_path)
+    jobs = _plan(report_json, report, list(labels), out)
+    engine_name = engine_spec(report)
+    names = [j.label for j in jobs]
+    log(f"rerunning {', '.join(names)} on {engine_name} (seed {report['seed']}, profile {report['profile']}) with op "
+        "capture")
+    written = []
+    with tempfile.TemporaryDirectory(prefix="fp8rl-repro-") as tmp:
+        from fp8rl.repro_capture import iter_calls
+
+        rerun = rerun_with_capture(engine_name, names, int(report["seed"]), str(report["profile"]), Path(tmp),
+                                   timeout=timeout)
+        calls = list(iter_calls(rerun.calls_dir))
+        for j in jobs:
+            case = rerun.cases.get(j.label, {"outcome": rerun.outcome, "nodeid": None})
+            mine = calls if len(jobs) == 1 else calls_of_case(calls, case.get("nodeid"))
+            log(f"rerun: {j.label} {case['outcome']}; {len(mine)} op calls captured")
+            written.append(_write_folder(report, j, engine_name, case["outcome"], mine))
+    return written
+
+
 def make_repro(report_path: str | os.PathLike, label: str, out: str | os.PathLike | None = None, *,
                timeout: float = 1800.0, log: Any = print) -> Written:
     """Write the repro folder of one case of a report (see the module docstring)."""
+    return make_repros(report_path, [label], out, timeout=timeout, log=log)[0]
+
+
+def _write_folder(report: dict, job: _Job, engine_name: str, rerun_outcome: str, calls: list) -> Written:
     import fp8rl
     from fp8rl.registry import EngineLoadError, load_engine
-    from fp8rl.repro_capture import iter_calls, save_call
+    from fp8rl.repro_capture import save_call
     from fp8rl.repro_ops import handler_for
 
-    report_json, report = load_report_dir(report_path)
-    entry = find_case(report, label)
-    label = case_label(entry)
-    if entry["outcome"] not in REPRODUCIBLE:
-        raise ReproError(f"case: {label} {entry['outcome']} in {str(report_json)!r}; expected a failed, error or "
-                         "xfailed case (nothing to reproduce)")
-    engine_name = engine_spec(report)
-    dest = Path(out) if out is not None else default_out(report_json, label)
-    _prepare(dest)
+    entry, label, dest = job.entry, job.label, job.dest
     h = _header(report, entry, engine_name, label)
-    log(f"rerunning {label} on {engine_name} (seed {report['seed']}, profile {report['profile']}) with op capture")
-    with tempfile.TemporaryDirectory(prefix="fp8rl-repro-") as tmp:
-        rerun = rerun_with_capture(engine_name, label, int(report["seed"]), str(report["profile"]), Path(tmp),
-                                   timeout=timeout)
-        calls = list(iter_calls(rerun.calls_dir))
-        log(f"rerun: {label} {rerun.outcome}; {len(calls)} op calls captured")
-        found: Found | None = None
-        why = ""
-        if not calls:
-            why = (f"The rerun captured no op call (its outcome: {rerun.outcome}; the engine may not be installed "
-                   "here, or the check calls no engine op through fp8rl's guard).")
-        else:
+    found: Found | None = None
+    why = ""
+    engine = None
+    if not calls:
+        why = (f"The rerun captured no op call (its outcome: {rerun_outcome}; the engine may not be installed "
+               "here, or the check calls no engine op through fp8rl's guard).")
+    else:
+        try:
+            engine = load_engine(engine_name)  # a fresh engine per case: no state from another case's calls
+        except EngineLoadError as exc:
+            why = f"The engine could not be loaded here to compare the captured calls: {exc}."
+        if engine is not None:
+            found = find_offender(calls, engine)
+            if found is None:
+                ops = sorted({c.op for c in calls})
+                supported = [o for o in ops if handler_for(o) is not None]
+                why = (f"No captured call could be singled out: the rerun called {', '.join(ops)}; "
+                       + (f"the calls of {', '.join(supported)} agree with the oracle one by one (the check's "
+                          "failure is in how it combines them, or in an op fp8rl repro has no comparison for)."
+                          if supported else "fp8rl repro has no op-level comparison for these ops."))
+    fixture = None
+    if found is None:
+        unc = uncapturable_input(entry, int(report["seed"]), h["reproduce"])
+        if unc is not None:
+            why = unc[0] + (" " + why if why else "")
+            fixture = unc[1]
+    files = ["README.md", "repro.py"]
+    if found is not None:
+        declared: dict[str, Any] = {}
+        hd = handler_for(found.call.op)
+        if hd is not None:
             try:
-                engine = load_engine(engine_name)
-            except EngineLoadError as exc:
-                engine, why = None, f"The engine could not be loaded here to compare the captured calls: {exc}."
-            if engine is not None:
-                found = find_offender(calls, engine)
-                if found is None:
-                    ops = sorted({c.op for c in calls})
-                    supported = [o for o in ops if handler_for(o) is not None]
-                    why = (f"No captured call could be singled out: the rerun called {', '.join(ops)}; "
-                           + (f"the calls of {', '.join(supported)} agree with the oracle one by one (the check's "
-                              "failure is in how it combines them, or in an op fp8rl repro has no comparison for)."
-                              if supported else "fp8rl repro has no op-level comparison for these ops."))
-        files = ["README.md", "repro.py"]
-        if found is not None:
-            declared: dict[str, Any] = {}
-            hd = handler_for(found.call.op)
-            if hd is not None:
-                try:
-                    declared = hd.declared(engine, found.args, found.kwargs)
-                except Exception as exc:  # noqa: BLE001 - the declaration is informative only
-                    declared = {"error": f"{type(exc).__name__}: {exc}"}
-            meta = {**h, "op": found.call.op, "slice": found.slice, "standalone": found.standalone,
-                    "declared": declared, "rerun_outcome": rerun.outcome, "n_bad": found.explanation.n_bad}
-            save_call(dest / "call", found.call.op, found.args, found.kwargs, result=None, extra={"repro": meta})
-            src = found.call.stem
-            shutil.copyfile(src.with_suffix(".json"), dest / "original.json")
-            shutil.copyfile(src.with_suffix(".safetensors"), dest / "original.safetensors")
-            files += ["call.json", "call.safetensors", "original.json", "original.safetensors"]
-            imports, body = _RAISES if found.raised or found.call.op not in _BODIES else _BODIES[found.call.op]
-            script = _SCRIPT.format(title=f"fp8rl repro: {label} on {engine_name} ({found.call.op})",
-                                    about=(f"Check {h['check']}: {h['spec']}\nEngine {engine_name} "
-                                           f"({h['engine_version']}), run seed {h['seed']}. Input: {found.slice}."),
-                                    fp8rl_version=fp8rl.__version__, imports=imports, engine=engine_name,
-                                    op=found.call.op, slice=found.slice, body=body)
-        else:
-            meta = {**h, "op": None, "captured": False, "why": why, "rerun_outcome": rerun.outcome}
-            (dest / FALLBACK_MARKER).write_text(json.dumps(meta, indent=1))
-            files.append(FALLBACK_MARKER)
-            script = _FALLBACK_SCRIPT.format(title=f"fp8rl repro: {label} on {engine_name} (input not captured)",
-                                             why=why.rstrip("."), command=h["reproduce"].removeprefix("fp8rl "),
-                                             fp8rl_version=fp8rl.__version__,
-                                             args=conformance_args(engine_name, label, int(report["seed"]),
-                                                                   str(report["profile"])), label=label)
+                declared = hd.declared(engine, found.args, found.kwargs)
+            except Exception as exc:  # noqa: BLE001 - the declaration is informative only
+                declared = {"error": f"{type(exc).__name__}: {exc}"}
+        meta = {**h, "op": found.call.op, "slice": found.slice, "standalone": found.standalone,
+                "declared": declared, "rerun_outcome": rerun_outcome, "n_bad": found.explanation.n_bad,
+                "tried": found.tried}
+        save_call(dest / "call", found.call.op, found.args, found.kwargs, result=None, extra={"repro": meta})
+        src = found.call.stem
+        shutil.copyfile(src.with_suffix(".json"), dest / "original.json")
+        shutil.copyfile(src.with_suffix(".safetensors"), dest / "original.safetensors")
+        files += ["call.json", "call.safetensors", "original.json", "original.safetensors"]
+        imports, body = _RAISES if found.raised or found.call.op not in _BODIES else _BODIES[found.call.op]
+        script = _SCRIPT.format(title=f"fp8rl repro: {label} on {engine_name} ({found.call.op})",
+                                about=(f"Check {h['check']}: {h['spec']}\nEngine {engine_name} "
+                                       f"({h['engine_version']}), run seed {h['seed']}. Input: {found.slice}."),
+                                fp8rl_version=fp8rl.__version__, imports=imports, engine=engine_name,
+                                op=found.call.op, slice=found.slice, body=body)
+    else:
+        meta = {**h, "op": None, "captured": False, "why": why, "rerun_outcome": rerun_outcome}
+        if fixture is not None:
+            meta["fixture"] = fixture
+        (dest / FALLBACK_MARKER).write_text(json.dumps(meta, indent=1))
+        files.append(FALLBACK_MARKER)
+        script = _FALLBACK_SCRIPT.format(title=f"fp8rl repro: {label} on {engine_name} (input not captured)",
+                                         why=why.rstrip("."), command=h["reproduce"].removeprefix("fp8rl "),
+                                         fp8rl_version=fp8rl.__version__,
+                                         args=conformance_args(engine_name, label, int(report["seed"]),
+                                                               str(report["profile"])), label=label)
     (dest / "repro.py").write_text(script)
     (dest / "README.md").write_text(_readme(h, found, why, files))
     return Written(dest, found is not None, found.call.op if found else None, found.slice if found else "",
-                   bool(found and found.standalone), rerun.outcome, found.explanation.n_bad if found else 0)
+                   bool(found and found.standalone), rerun_outcome, found.explanation.n_bad if found else 0)
 
 
 def run_script(folder: Path, *extra: str, timeout: float = 1800.0) -> subprocess.CompletedProcess:
@@ -580,37 +744,49 @@ def run_script(folder: Path, *extra: str, timeout: float = 1800.0) -> subprocess
 
 def cmd_repro(args: argparse.Namespace) -> int:
     try:
-        written = make_repro(args.report, args.case, args.out, timeout=args.timeout)
+        written = make_repros(args.report, list(args.case), args.out, timeout=args.timeout)
     except ReproError as exc:
         print(f"fp8rl repro: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
         print(f"fp8rl repro: --out: can't write the repro folder: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if written.captured:
-        print(f"wrote {written.out}: {written.op}, {written.n_bad} compared values differ on {written.slice}"
-              + ("" if written.standalone else " (NOT standalone: see its README)"))
-    else:
-        print(f"wrote {written.out}: the input was not captured (see its README); repro.py reruns the case")
+    for w in written:
+        if w.captured:
+            print(f"wrote {w.out}: {w.op}, {w.n_bad} compared values differ on {w.slice}"
+                  + ("" if w.standalone else " (NOT standalone: see its README)"))
+        else:
+            print(f"wrote {w.out}: the input was not captured (see its README); repro.py reruns the case")
     if not args.check:
         return EXIT_OK
-    proc = run_script(written.out, "--check", timeout=args.timeout)
-    sys.stdout.write(proc.stdout)
-    sys.stderr.write(proc.stderr)
-    return EXIT_FAIL if proc.returncode == 1 else (EXIT_OK if proc.returncode == 0 else EXIT_USAGE)
+    status = EXIT_OK
+    for w in written:
+        proc = run_script(w.out, "--check", timeout=args.timeout)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        if proc.returncode == 1:
+            status = EXIT_FAIL if status == EXIT_OK else status
+        elif proc.returncode != 0:
+            status = EXIT_USAGE
+    return status
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser("repro", help="write a standalone reproduction (inputs, repro.py) of one failing case of a report")
+    r = sub.add_parser("repro", help="write a standalone reproduction (inputs, repro.py) of failing cases of a report")
     r.add_argument("report", help="report.json, or the directory holding it")
-    r.add_argument("case", help="CHECK-ID[case] of a failed, error or xfailed case (CHECK-ID if it has one case)")
-    r.add_argument("--out", default=None, help="the folder to write (default: <report dir>/repro/<case>)")
+    r.add_argument("case", nargs="+",
+                   help="CHECK-ID[case] of a failed, error or xfailed case (CHECK-ID if it has one case); several "
+                        "are rerun together, once")
+    r.add_argument("--out", default=None,
+                   help="the folder to write for one case; with several cases, the directory that gets "
+                        "<out>/<case>/ each (default: <report dir>/repro/<case>)")
     r.add_argument("--check", action="store_true",
-                   help="then run the folder's repro.py --check: exit 1 while the discrepancy holds, 0 if it is gone")
+                   help="then run each folder's repro.py --check: exit 1 while a discrepancy holds, 0 if all are gone")
     r.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="seconds allowed for the rerun of the case (default 1800)")
     r.set_defaults(func=cmd_repro)
 
 
-__all__ = ["ReproError", "case_label", "bound_derivations", "conformance_args", "default_out", "engine_spec", "find_case",
-           "make_repro", "parse_label", "register", "run_script"]
+__all__ = ["ReproError", "bound_derivations", "calls_of_case", "case_label", "conformance_args", "default_out",
+           "engine_spec", "find_case", "make_repro", "make_repros", "parse_label", "register", "run_script",
+           "uncapturable_input"]

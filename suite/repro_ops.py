@@ -520,6 +520,537 @@ class CorrectionHandler:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# helpers shared by the ops judged within a bound
+
+
+def _bound_bad(got: torch.Tensor, expected: torch.Tensor, bound: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bad, err, bound) elementwise, as fp8rl.checks.assert_within_bound judges: NaN agrees only with NaN."""
+    g = got.detach().cpu().double()
+    e = expected.detach().cpu().double()
+    b = (bound.detach().cpu().double() if isinstance(bound, torch.Tensor)
+         else torch.tensor(float(bound), dtype=torch.float64)).expand_as(e)
+    err = (g - e).abs()
+    both_nan = torch.isnan(g) & torch.isnan(e)
+    err = torch.where(both_nan, torch.zeros_like(err), err)
+    err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    b = torch.where(both_nan, torch.zeros_like(b), b)
+    b = torch.where(torch.isnan(b), torch.zeros_like(b), b)
+    return err > b, err, b
+
+
+def _dt(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# block_gemm (area gemm)
+
+
+def _gemm_slice(qt: Any, rows: slice, k0: int, k1: int) -> Any:
+    """Rows ``rows`` and columns k0:k1 of a 2-D QuantizedTensor, with the scales those elements use. The columns
+    must not cut a scale group/block (k0 on a group edge)."""
+    from fp8rl.reference.quant import QuantizedTensor
+
+    g = qt.granularity
+    codes = qt.codes[rows, k0:k1].contiguous()
+    s = qt.scale
+    if g.kind in ("token", "channel"):
+        s = s[rows]
+    elif g.kind == "group":
+        G = g.size[1]
+        s = s[rows, k0 // G:(k1 - 1) // G + 1]
+    elif g.kind == "block":
+        bm, bk = g.size
+        r0, r1 = rows.start, rows.stop
+        s = s[r0 // bm:(r1 - 1) // bm + 1, k0 // bk:(k1 - 1) // bk + 1]
+    return QuantizedTensor(codes, s.contiguous().clone(), g, qt.policy)
+
+
+def gemm_oracle(a: Any, w: Any, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact fp64 product, the elementwise gemm_fp32_accum bound for ``out_dtype``): what GEMM-* judge by."""
+    from fp8rl.reference.gemm import block_gemm_exact, gemm_error_bound
+
+    return block_gemm_exact(a, w), gemm_error_bound(a, w, out_dtype)
+
+
+def explain_block_gemm(a: Any, w: Any, out_dtype: torch.dtype, got: torch.Tensor, expected: torch.Tensor,
+                       bound: torch.Tensor, *, limit: int = DEFAULT_LIMIT) -> Explanation:
+    """Compare the engine's block_gemm(a, w) with the exact product within the gemm_fp32_accum bound; for the
+    first output beyond it, every K block: the codes' dot product, both scales, the block's partial product (exact
+    and with fp32 accumulation) and the running sums."""
+    from fp8rl.reference.gemm import _segments
+    from fp8rl.reference.quant import expand_scale
+
+    m, k = tuple(a.codes.shape)
+    n = int(w.codes.shape[0])
+    lines = [f"block_gemm of a ({m}, {k}) {a.fmt} [{a.granularity.label}] x w ({n}, {k}) {w.fmt} "
+             f"[{w.granularity.label}] -> {_dt(out_dtype)}; oracle: the exact fp64 product; bound gemm_fp32_accum"]
+    if tuple(got.shape) != (m, n):
+        lines.append(f"shape differs: engine {tuple(got.shape)}, expected ({m}, {n})")
+        return Explanation("block_gemm", 1, m * n, None, lines)
+    bad, err, b = _bound_bad(got, expected, bound)
+    nb = int(bad.sum())
+    lines.append(f"outputs beyond the bound: {nb} of {m * n}")
+    first = _first_indices(bad, limit)
+    gd, ed = got.detach().cpu().double(), expected.detach().cpu().double()
+    for ix in first:
+        lines.append(f"y{_ix(ix)}: oracle {_f(float(ed[ix]))}, engine {_f(float(gd[ix]))}, |err| {float(err[ix]):.3e} "
+                     f"> bound {float(b[ix]):.3e}")
+    if first:
+        i, j = first[0]
+        av, wv = a.values().double(), w.values().double()
+        sa, sw = expand_scale(a.scale, a.granularity, (m, k)).double(), expand_scale(w.scale, w.granularity, (n, k)).double()
+        lines.append(f"output ({i}, {j}) by K block (row {i} of a, row {j} of w; the scales constant on each block):")
+        run_exact, run_f32 = 0.0, torch.zeros((), dtype=torch.float32)
+        for k0, k1 in _segments(k, a, w):
+            dot = float((av[i, k0:k1] * wv[j, k0:k1]).sum())  # exact: FP8 values on a 2^-g grid, short sums
+            s_a, s_w = float(sa[i, k0]), float(sw[j, k0])
+            part = dot * s_a * s_w
+            prods = (av[i, k0:k1] * sa[i, k0:k1]).float() * (wv[j, k0:k1] * sw[j, k0:k1]).float()
+            part32 = torch.zeros((), dtype=torch.float32)
+            for p in prods:
+                part32 = part32 + p
+            run_exact += part
+            run_f32 = run_f32 + part32
+            lines.append(f"  K {k0}:{k1}: sum of code products {dot!r}; s_a {_f(s_a)}, s_w {_f(s_w)}; partial "
+                         f"{part!r} (fp32 accumulation {_f(float(part32))}); running sum exact {run_exact!r}, "
+                         f"fp32 {_f(float(run_f32))}")
+        lines.append(f"  total: oracle {_f(float(ed[i, j]))}; fp32 accumulation of the blocks {_f(float(run_f32))} "
+                     f"(rounded to {_dt(out_dtype)}: {float(run_f32.to(out_dtype))!r}); engine {_f(float(gd[i, j]))}; "
+                     f"engine - oracle = {float(gd[i, j] - ed[i, j])!r}")
+    return Explanation("block_gemm", nb, m * n, first[0] if first else None, lines)
+
+
+class BlockGemmHandler:
+    op = "block_gemm"
+
+    def run(self, engine: Any, args: tuple, kwargs: dict, got: Any = None, limit: int = DEFAULT_LIMIT) -> Explanation:
+        a, w, out_dtype = _gemm_args(args, kwargs)
+        got = engine.block_gemm(a, w, out_dtype) if got is None else got
+        expected, bound = gemm_oracle(a, w, out_dtype)
+        return explain_block_gemm(a, w, out_dtype, got, expected, bound, limit=limit)
+
+    def declared(self, engine: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        return {}
+
+    def candidates(self, args: tuple, kwargs: dict, ex: Explanation) -> list[Candidate]:
+        from fp8rl.reference.gemm import _segments
+
+        a, w, out_dtype = _gemm_args(args, kwargs)
+        if ex.first is None:
+            return []
+        i, j = ex.first
+        m, k = tuple(a.codes.shape)
+        n = int(w.codes.shape[0])
+        ri, rj = slice(i, i + 1), slice(j, j + 1)
+        out = []
+        for k0, k1 in _segments(k, a, w):
+            out.append(Candidate((_gemm_slice(a, ri, k0, k1), _gemm_slice(w, rj, k0, k1), out_dtype), {},
+                                 f"row {i} of a and row {j} of w (output element ({i}, {j})) of the original "
+                                 f"({m}, {k}) x ({n}, {k}) GEMM, K {k0}:{k1} only (one K block; scales sliced alike)"))
+        out.append(Candidate((_gemm_slice(a, ri, 0, k), _gemm_slice(w, rj, 0, k), out_dtype), {},
+                             f"row {i} of a and row {j} of w (output element ({i}, {j})) of the original ({m}, {k}) x "
+                             f"({n}, {k}) GEMM, every K block (scales sliced alike)"))
+        return out
+
+
+def _gemm_args(args: tuple, kwargs: dict) -> tuple[Any, Any, torch.dtype]:
+    names = ("a", "w", "out_dtype")
+    vals = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    return vals["a"], vals["w"], vals["out_dtype"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kv_attention (area kv)
+
+_ATTN_KW = ("q_scale", "causal", "q_lengths", "kv_lengths", "sm_scale")
+
+
+def kv_attention_oracle(policy: Any, q: torch.Tensor, k_cache: Any, v_cache: Any, kw: dict) -> tuple[torch.Tensor,
+                                                                                                       torch.Tensor,
+                                                                                                       torch.Tensor]:
+    """(the oracle's FP8 attention on the same FP8 operands, the kv_attention_arith bound, the Q̂ it used) as
+    KV-ATTN-001 computes them under the declared KV ``policy``."""
+    from fp8rl import tolerances
+    from fp8rl.reference import kv as kvref
+
+    qs = kw.get("q_scale")
+    rest = {k: v for k, v in kw.items() if k != "q_scale"}
+    q_hat = kvref.to_f32(q).double() if qs is None else kvref.quantize_q(q, qs, policy.q_fmt, policy.q_quant_op)
+    k_hat, v_hat = kvref.dequantize_kv(k_cache), kvref.dequantize_kv(v_cache)
+    expected = kvref.attention(q_hat, k_hat, v_hat, **rest)
+    t = kvref.attention_bound_terms(q_hat, k_hat, v_hat, **rest)
+    bound = tolerances.kv_attention_arith_bound(t.score_abs_max, t.score_span, t.weighted_abs_v, t.head_dim, t.n_keys)
+    bound = torch.as_tensor(bound, dtype=torch.float64)
+    return expected, bound, q_hat
+
+
+def explain_kv_attention(q: torch.Tensor, k_cache: Any, v_cache: Any, kw: dict, policy: Any, got: torch.Tensor,
+                         expected: torch.Tensor, bound: torch.Tensor, q_hat: torch.Tensor, *,
+                         limit: int = DEFAULT_LIMIT) -> Explanation:
+    """Compare the engine's kv_attention with the oracle's within kv_attention_arith; for the first output beyond
+    it: the query (and Q̂), the keys it sees with their scores and softmax weights, and both output rows."""
+    from fp8rl.reference import kv as kvref
+
+    B, Tq, Hq, D = tuple(q.shape)
+    Tk, Hkv = int(k_cache.codes.shape[1]), int(k_cache.codes.shape[2])
+    lines = [f"kv_attention of q {tuple(q.shape)} {_dt(q.dtype)} over caches {tuple(k_cache.codes.shape)} "
+             f"{k_cache.fmt}/{k_cache.layout}; " + ", ".join(f"{k}={_short(kw.get(k))}" for k in _ATTN_KW)
+             + f"; declared KV policy: quantize_q {policy.quantize_q}, q_fmt {policy.q_fmt}, q_quant_op "
+             f"{policy.q_quant_op}"]
+    if tuple(got.shape) != tuple(expected.shape):
+        lines.append(f"shape differs: engine {tuple(got.shape)}, expected {tuple(expected.shape)}")
+        return Explanation("kv_attention", 1, expected.numel(), None, lines)
+    bad, err, b = _bound_bad(got, expected, bound)
+    nb = int(bad.sum())
+    lines.append(f"outputs beyond the kv_attention_arith bound: {nb} of {expected.numel()}")
+    first = _first_indices(bad, limit)
+    gd, ed = got.detach().cpu().double(), expected.detach().cpu().double()
+    for ix in first:
+        lines.append(f"o{_ix(ix)} (batch, query, head, d): oracle {_f(float(ed[ix]))}, engine {_f(float(gd[ix]))}, "
+                     f"|err| {float(err[ix]):.3e} > bound {float(b[ix]):.3e}")
+    if first:
+        bi, i, h, _ = first[0]
+        g = h // (Hq // Hkv)
+        rest = {k: v for k, v in kw.items() if k != "q_scale"}
+        k_hat, v_hat = kvref.dequantize_kv(k_cache), kvref.dequantize_kv(v_cache)
+        _, p = kvref.attention(q_hat, k_hat, v_hat, return_probs=True, **rest)
+        sm = 1.0 / math.sqrt(D) if kw.get("sm_scale") is None else float(kw["sm_scale"])
+        qs = kw.get("q_scale")
+        lines.append(f"query ({bi}, {i}, head {h}) reads KV head {g}; sm_scale {sm!r}; q_scale "
+                     f"{'none (Q in fp32)' if qs is None else _f(float(torch.as_tensor(qs)))}")
+        qx = q.detach().double()[bi, i, h]
+        lines.append(f"  q[:4] {[float(v) for v in qx[:4]]}; Q-hat[:4] (the Q the oracle uses) "
+                     f"{[float(v) for v in q_hat[bi, i, h, :4]]}")
+        seen = (p[bi, h, i] > 0).nonzero().flatten().tolist()
+        scores = sm * (q_hat[bi, i, h] @ k_hat[bi, :, g].T)
+        lines.append(f"  keys with p > 0: {len(seen)} of {Tk}; max score {float(scores[seen].max()) if seen else 0.0!r}")
+        for jj in seen[:8]:
+            ks = kvref.expand_scale(k_cache.scale, k_cache.layout, tuple(k_cache.codes.shape))[bi, jj, g, 0]
+            lines.append(f"  key {jj}: k scale {_f(float(ks))}, score sm*q.k {float(scores[jj])!r}, p "
+                         f"{float(p[bi, h, i, jj])!r}")
+        lines.append(f"  output row o[{bi}, {i}, {h}, :4]: oracle {[float(v) for v in ed[bi, i, h, :4]]}, engine "
+                     f"{[float(v) for v in gd[bi, i, h, :4]]}")
+    return Explanation("kv_attention", nb, expected.numel(), first[0] if first else None, lines)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return repr(float(v)) if v.numel() == 1 and v.dim() == 0 else str(v.tolist())
+    return repr(v)
+
+
+def _attn_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any, Any, dict]:
+    names = ("q", "k_cache", "v_cache")
+    vals = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    return vals["q"], vals["k_cache"], vals["v_cache"], {k: v for k, v in kwargs.items() if k in _ATTN_KW}
+
+
+def _cache_slice(cache: Any, b: int, t: slice, g: slice) -> Any:
+    from fp8rl.reference.kv import KVCache
+
+    s = cache.scale
+    if cache.layout == "head":
+        s = s[g]
+    elif cache.layout == "token_head":
+        s = s[b:b + 1, t, g]
+    return KVCache(cache.codes[b:b + 1, t, g].contiguous(), s.contiguous().clone(), cache.fmt, cache.layout)
+
+
+class KVAttentionHandler:
+    op = "kv_attention"
+
+    def run(self, engine: Any, args: tuple, kwargs: dict, got: Any = None, limit: int = DEFAULT_LIMIT) -> Explanation:
+        q, kc, vc, kw = _attn_args(args, kwargs)
+        got = engine.kv_attention(q, kc, vc, **kw) if got is None else got
+        policy = engine.kv_policy(kc.fmt, kc.layout)
+        expected, bound, q_hat = kv_attention_oracle(policy, q, kc, vc, kw)
+        return explain_kv_attention(q, kc, vc, kw, policy, got, expected, bound, q_hat, limit=limit)
+
+    def declared(self, engine: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        import dataclasses
+
+        _, kc, _, _ = _attn_args(args, kwargs)
+        return {"kv_policy": dataclasses.asdict(engine.kv_policy(kc.fmt, kc.layout))}
+
+    def candidates(self, args: tuple, kwargs: dict, ex: Explanation) -> list[Candidate]:
+        q, kc, vc, kw = _attn_args(args, kwargs)
+        if ex.first is None:
+            return []
+        b, i, h, _ = ex.first
+        B, Tq, Hq, D = tuple(q.shape)
+        Tk, Hkv = int(kc.codes.shape[1]), int(kc.codes.shape[2])
+        g = h // (Hq // Hkv)
+        ql = kw.get("q_lengths")
+        kl = kw.get("kv_lengths")
+        qlen = int(torch.as_tensor(ql)[b]) if ql is not None else Tq
+        kvlen = int(torch.as_tensor(kl)[b]) if kl is not None else Tk
+        seen = min(i + kvlen - qlen + 1, kvlen) if kw.get("causal", True) else kvlen
+        q1 = q.detach()[b:b + 1, i:i + 1, h:h + 1].contiguous()
+        orig = f"of the original q {tuple(q.shape)} and caches {tuple(kc.codes.shape)}"
+        out = []
+        if i < qlen and seen > 0:
+            kw1 = {**kw, "q_lengths": None, "kv_lengths": None}
+            out.append(Candidate((q1, _cache_slice(kc, b, slice(0, seen), slice(g, g + 1)),
+                                  _cache_slice(vc, b, slice(0, seen), slice(g, g + 1))), kw1,
+                                 f"query token {i} of head {h} in sequence {b} {orig}, with the {seen} keys it sees "
+                                 f"(KV head {g}, cache slots 0:{seen}; no lengths needed)"))
+        if ql is not None or kl is not None:
+            like = torch.as_tensor(ql if ql is not None else kl)
+            kw2 = {**kw, "q_lengths": torch.tensor([1 if i < qlen else 0], dtype=like.dtype),
+                   "kv_lengths": torch.tensor([max(seen, 0) if i < qlen else kvlen], dtype=like.dtype)}
+            out.append(Candidate((q1, _cache_slice(kc, b, slice(0, Tk), slice(g, g + 1)),
+                                  _cache_slice(vc, b, slice(0, Tk), slice(g, g + 1))), kw2,
+                                 f"query token {i} of head {h} in sequence {b} {orig}, over sequence {b}'s whole cache "
+                                 f"of KV head {g} with q_lengths {kw2['q_lengths'].tolist()} and kv_lengths "
+                                 f"{kw2['kv_lengths'].tolist()} (the slots past kv_len kept)"))
+        kw3 = {**kw, "q_lengths": None if ql is None else torch.as_tensor(ql)[b:b + 1].clone(),
+               "kv_lengths": None if kl is None else torch.as_tensor(kl)[b:b + 1].clone()}
+        out.append(Candidate((q.detach()[b:b + 1].contiguous(), _cache_slice(kc, b, slice(0, Tk), slice(0, Hkv)),
+                              _cache_slice(vc, b, slice(0, Tk), slice(0, Hkv))), kw3,
+                             f"sequence {b} (every query and head) {orig}"))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correction_loss (area correction)
+
+_LOSS_NAMES = ("logp", "old_logp", "advantages", "mask", "weights", "config")
+
+
+def _loss_args(args: tuple, kwargs: dict) -> tuple:
+    vals = dict(zip(_LOSS_NAMES, args, strict=False)) | {k: v for k, v in kwargs.items() if k in _LOSS_NAMES}
+    return tuple(vals.get(n) for n in _LOSS_NAMES)
+
+
+def correction_loss_oracle(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                           weights: torch.Tensor | None, config: Any) -> dict[str, Any]:
+    """The oracle's loss and ∂L/∂logp (float64) and the corr_loss bounds on both, as CORR-LOSS-001/002 derive them
+    (magnitudes times the corr_loss_headroom factor)."""
+    from fp8rl import tolerances
+    from fp8rl.reference import correction as C
+
+    m = mask.detach() != 0
+    xr = logp.detach().double().requires_grad_(True)
+    ref = C.policy_loss(xr, old, adv, mask, weights, config)
+    (r_grad,) = torch.autograd.grad(ref, xr)
+    lp = logp.detach().double()
+    n = int(m.sum())
+    zero = torch.zeros((), dtype=torch.float64)
+    L = float(torch.where(m, (lp - old.detach().double()).abs() + lp.abs(), zero).max()) if n else 0.0
+    per = (C.ppo_clip_token_loss(lp, old.detach().double(), adv.detach().double(), config)
+           if config.kind == "ppo_clip" else -adv.detach().double() * lp)
+    w = weights.detach().double() if weights is not None else torch.ones_like(lp)
+    headroom = tolerances.get("corr_loss_headroom").value
+    mag = float(C.aggregate(torch.where(m, (per * w).abs(), zero), mask, config.agg)) * headroom
+    gmag = float(r_grad.abs().max()) * headroom
+    return {"loss": ref.detach(), "grad": r_grad, "per": per, "n": n, "L": L,
+            "bound": tolerances.corr_loss_bound(mag, n, L), "grad_bound": tolerances.corr_loss_bound(gmag, n, L)}
+
+
+def engine_correction_loss(engine: Any, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                           weights: torch.Tensor | None, config: Any) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """(the engine's loss, its ∂L/∂logp or None, why not): the check's call, logp a fresh leaf requiring grad."""
+    x = logp.detach().clone().requires_grad_(True)
+    got = engine.correction_loss(x, old, adv, mask, weights, config)
+    if not isinstance(got, torch.Tensor) or got.dim() != 0:
+        return torch.as_tensor(got), None, "the loss is not a 0-d tensor"
+    if not got.requires_grad:
+        return got.detach(), None, "the loss is not differentiable with respect to logp"
+    (grad,) = torch.autograd.grad(got, x)
+    return got.detach(), grad, ""
+
+
+def explain_correction_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                            weights: torch.Tensor | None, config: Any, got_loss: torch.Tensor,
+                            got_grad: torch.Tensor | None, oracle: dict[str, Any], *, why: str = "",
+                            limit: int = DEFAULT_LIMIT) -> Explanation:
+    """Compare the engine's correction_loss (value and ∂L/∂logp) with the oracle's within corr_loss."""
+    m = mask.detach() != 0
+    lines = [f"correction_loss of a {tuple(mask.shape)} batch ({oracle['n']} valid tokens); config: kind "
+             f"{config.kind}, agg {config.agg}, clip_ratio_low {config.clip_ratio_low!r}, clip_ratio_high "
+             f"{config.clip_ratio_high!r}, clip_ratio_c {config.clip_ratio_c!r}; IS weights "
+             f"{'none' if weights is None else 'given'}"]
+    gl, el = float(got_loss.double()), float(oracle["loss"])
+    dl = abs(gl - el) if math.isfinite(gl) else math.inf
+    loss_bad = not dl <= oracle["bound"]
+    lines.append(f"loss: oracle {_f(el)}, engine {_f(gl)}, |err| {dl:.3e} {'>' if loss_bad else '<='} bound "
+                 f"{oracle['bound']:.3e}")
+    n_bad = int(loss_bad)
+    first = None
+    if got_grad is None:
+        lines.append(f"gradient: none ({why})")
+        n_bad += 1
+    elif tuple(got_grad.shape) != tuple(mask.shape):
+        lines.append(f"gradient shape {tuple(got_grad.shape)}, expected {tuple(mask.shape)}")
+        n_bad += 1
+    else:
+        bad, err, b = _bound_bad(got_grad, oracle["grad"], oracle["grad_bound"])
+        nb = int(bad.sum())
+        n_bad += nb
+        lines.append(f"gradient dL/dlogp: {nb} of {mask.numel()} tokens beyond the bound {oracle['grad_bound']:.3e}")
+        idx = _first_indices(bad, limit)
+        first = idx[0] if idx else None
+        for ix in idx:
+            lp, lo = float(logp.detach()[ix]), float(old.detach()[ix])
+            r = math.exp(max(min(lp - lo, 20.0), -20.0))
+            lines.append(f"token {_ix(ix)}: mask {float(mask[ix])!r}; logp {_f(lp)}, old_logp {_f(lo)}, advantage "
+                         f"{_f(float(adv[ix]))}, weight {'1' if weights is None else _f(float(weights[ix]))}")
+            lines.append(f"  ratio r = e^(logp - old) = {r!r}; per-token loss (before w) {float(oracle['per'][ix])!r}")
+            lines.append(f"  dL/dlogp: oracle {float(oracle['grad'][ix])!r}, engine {float(got_grad[ix])!r}, "
+                         f"|err| {float(err[ix]):.3e}")
+    rows = [int(r) for r in range(mask.shape[0]) if bool(m[r].any())]
+    lines.append(f"valid tokens per row: {[int(m[r].sum()) for r in range(mask.shape[0])]} (rows {rows} count)")
+    return Explanation("correction_loss", n_bad, 1 + mask.numel(), first, lines, anchor=rows)
+
+
+class CorrectionLossHandler:
+    op = "correction_loss"
+
+    def run(self, engine: Any, args: tuple, kwargs: dict, got: Any = None, limit: int = DEFAULT_LIMIT) -> Explanation:
+        # the gradient needs a fresh call: the captured result is detached
+        logp, old, adv, mask, weights, cfg = _loss_args(args, kwargs)
+        loss, grad, why = engine_correction_loss(engine, logp, old, adv, mask, weights, cfg)
+        oracle = correction_loss_oracle(logp, old, adv, mask, weights, cfg)
+        return explain_correction_loss(logp, old, adv, mask, weights, cfg, loss, grad, oracle, why=why, limit=limit)
+
+    def declared(self, engine: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        return {}
+
+    def candidates(self, args: tuple, kwargs: dict, ex: Explanation) -> list[Candidate]:
+        logp, old, adv, mask, weights, cfg = _loss_args(args, kwargs)
+        shape = tuple(mask.shape)
+        rows = list(ex.anchor or [])
+        if ex.first is not None and ex.first[0] in rows:
+            rows.remove(ex.first[0])
+            rows.insert(0, ex.first[0])
+        out = []
+        for b in rows[:8]:
+            sl = slice(b, b + 1)
+            x = logp.detach()[sl].clone().requires_grad_(logp.requires_grad)
+            out.append(Candidate((x, old.detach()[sl].clone(), adv.detach()[sl].clone(), mask.detach()[sl].clone(),
+                                  None if weights is None else weights.detach()[sl].clone(), cfg), {},
+                                 f"row {b} of the original {shape} batch (logp, old_logp, advantages, mask, weights "
+                                 "sliced alike)"))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# weight_sync (area weight_sync)
+
+
+def weight_sync_oracle(state_dict: Any, policy: Any) -> dict[str, torch.Tensor]:
+    """The oracle's sync of ``state_dict`` under the declared block ``policy`` (fp8rl.reference.weight_sync)."""
+    from fp8rl.reference import weight_sync as ws
+
+    return ws.quantize_state_dict(state_dict, ws.WeightSyncRecipe(policy=policy))
+
+
+def _same_tensor(g: torch.Tensor, w: torch.Tensor) -> bool:
+    if g.dtype != w.dtype or g.shape != w.shape:
+        return False
+    if not w.numel():
+        return True
+    return torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+
+
+def explain_weight_sync(state_dict: Any, policy: Any, got: dict, want: dict, *,
+                        limit: int = DEFAULT_LIMIT) -> Explanation:
+    """Compare the engine's weight_sync(state_dict) with the oracle's: names, dtypes, shapes, every byte; for the
+    first differing quantized weight, its first differing 128x128 block: amax, amax/T, both scales, the codes."""
+    from fp8rl.reference import weight_sync as ws
+
+    lines = [f"weight_sync of {len(state_dict)} tensors; {_policy_line(policy)}"]
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    diff = [n for n in want if n in got and not _same_tensor(got[n], want[n])]
+    n_bad = len(missing) + len(extra) + len(diff)
+    lines.append(f"tensors that differ: {len(diff)}; missing names: {missing[:6]}; unexpected names: {extra[:6]}")
+    anchor = None
+    for name in (missing + extra)[:limit]:
+        base = name.removesuffix(ws.SCALE_SUFFIX)
+        where = "the engine lacks" if name in missing else "only the engine ships"
+        lines.append(f"{name}: {where} it (input {base}: "
+                     f"{_dt(state_dict[base].dtype) if base in state_dict else 'absent'}; oracle ships "
+                     f"{_dt(want[base].dtype) if base in want else 'nothing'} for it, the engine "
+                     f"{_dt(got[base].dtype) if base in got else 'nothing'})")
+        if anchor is None and base in state_dict:
+            anchor = (base, (0, 0))
+    for name in diff[:limit]:
+        g, w = got[name], want[name]
+        if g.dtype != w.dtype or g.shape != w.shape:
+            lines.append(f"{name}: engine {_dt(g.dtype)} {tuple(g.shape)}, oracle {_dt(w.dtype)} {tuple(w.shape)}")
+            continue
+        gb = g.contiguous().view(torch.uint8).reshape(w.numel(), -1)
+        wb = w.contiguous().view(torch.uint8).reshape(w.numel(), -1)
+        bad = (gb != wb).any(-1).reshape(w.shape)
+        ix = _first_indices(bad, 1)[0]
+        lines.append(f"{name}: {int(bad.sum())} of {w.numel()} elements differ, first at {_ix(ix)}")
+        base = name.removesuffix(ws.SCALE_SUFFIX)
+        if anchor is None and base in state_dict and state_dict[base].dim() == 2:
+            anchor = (base, (ix[0], ix[1]) if name.endswith(ws.SCALE_SUFFIX) else (ix[0] // 128, ix[1] // 128))
+    if anchor is not None and ws.scale_name(anchor[0]) in want and ws.scale_name(anchor[0]) in got:
+        base, (bi, bj) = anchor
+        x = state_dict[base].to(torch.bfloat16).float()
+        r0, c0 = bi * 128, bj * 128
+        blk = x[r0:r0 + 128, c0:c0 + 128]
+        amax = float(blk.abs().max())
+        T = float(policy.max_value)
+        es, gs = want[ws.scale_name(base)], got[ws.scale_name(base)]
+        so = float(es[bi, bj])
+        se = float(gs[bi, bj]) if gs.dim() == 2 and bi < gs.shape[0] and bj < gs.shape[1] else float("nan")
+        plain = float(torch.tensor(amax, dtype=torch.float32) / torch.tensor(T, dtype=torch.float32))
+        lines.append(f"block ({bi}, {bj}) of {base} = rows {r0}:{r0 + blk.shape[0]}, cols {c0}:{c0 + blk.shape[1]} "
+                     f"(input cast to BF16): amax {_f(amax)}; amax/{T:g} fp32 {_f(plain)} (rounded: {_r16(plain)})")
+        lines.append(f"  {ws.scale_name(base)}[{bi}, {bj}]: oracle {_f(so)}, engine {_f(se)}")
+        gc = got[base].contiguous().view(torch.uint8) if got[base].element_size() == 1 else None
+        wc = want[base].contiguous().view(torch.uint8)
+        if gc is not None and gc.shape == wc.shape:
+            bad = (gc[r0:r0 + 128, c0:c0 + 128] != wc[r0:r0 + 128, c0:c0 + 128])
+            for lr, lc in _first_indices(bad, limit):
+                r, c = r0 + lr, c0 + lc
+                xv = float(x[r, c])
+                lines.append(f"  element ({r}, {c}): x {_f(xv)}; x/s with the oracle's scale fp32 "
+                             f"{_f(float(torch.tensor(xv) / torch.tensor(so, dtype=torch.float32)))}; expected code "
+                             f"{_code(int(wc[r, c]), policy.fmt)}, engine code {_code(int(gc[r, c]), policy.fmt)}")
+        elif gc is None:
+            lines.append(f"  engine's {base} is {_dt(got[base].dtype)}, oracle's {_dt(want[base].dtype)}")
+    return Explanation("weight_sync", n_bad, len(set(want) | set(got)), None, lines, anchor)
+
+
+class WeightSyncHandler:
+    op = "weight_sync"
+
+    def run(self, engine: Any, args: tuple, kwargs: dict, got: Any = None, limit: int = DEFAULT_LIMIT) -> Explanation:
+        sd = args[0] if args else kwargs["state_dict"]
+        got = engine.weight_sync(sd) if got is None else got
+        policy = engine.scale_policy("block")
+        return explain_weight_sync(sd, policy, got, weight_sync_oracle(sd, policy), limit=limit)
+
+    def declared(self, engine: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        import dataclasses
+
+        return {"scale_policy": dataclasses.asdict(engine.scale_policy("block"))}
+
+    def candidates(self, args: tuple, kwargs: dict, ex: Explanation) -> list[Candidate]:
+        sd = args[0] if args else kwargs["state_dict"]
+        if ex.anchor is None:
+            return []
+        name, (bi, bj) = ex.anchor
+        t = sd[name]
+        out = []
+        if t.dim() == 2:
+            r0, c0 = bi * 128, bj * 128
+            blk = t[r0:r0 + 128, c0:c0 + 128].contiguous().clone()
+            out.append(Candidate(({name: blk},), {},
+                                 f"the 128x128 block ({bi}, {bj}) of {name} alone (rows {r0}:{r0 + blk.shape[0]}, "
+                                 f"cols {c0}:{c0 + blk.shape[1]} of its {tuple(t.shape)} {_dt(t.dtype)} weight), as a "
+                                 "one-tensor state dict"))
+        out.append(Candidate(({name: t.contiguous().clone()},), {},
+                             f"{name} alone ({tuple(t.shape)} {_dt(t.dtype)}), as a one-tensor state dict"))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # any op that raised in the check
 
 
@@ -533,7 +1064,9 @@ def explain_raises(engine: Any, op: str, args: tuple, kwargs: dict) -> Explanati
 
 
 #: op → handler
-HANDLERS: dict[str, Any] = {h.op: h for h in (QuantizeHandler(), CastHandler(), KVStoreHandler(), CorrectionHandler())}
+HANDLERS: dict[str, Any] = {h.op: h for h in (QuantizeHandler(), CastHandler(), KVStoreHandler(), CorrectionHandler(),
+                                              BlockGemmHandler(), KVAttentionHandler(), CorrectionLossHandler(),
+                                              WeightSyncHandler())}
 
 
 def handler_for(op: str) -> Any | None:
@@ -550,5 +1083,7 @@ def run_check(explain: Callable[[], Explanation], check: bool) -> int:
     return 1 if (check and ex.n_bad) else 0
 
 
-__all__ = ["Candidate", "DEFAULT_LIMIT", "Explanation", "HANDLERS", "explain_cast", "explain_raises", "explain_kv_store",
-           "explain_quantize", "explain_rollout_correction", "handler_for", "run_check"]
+__all__ = ["Candidate", "DEFAULT_LIMIT", "Explanation", "HANDLERS", "correction_loss_oracle", "engine_correction_loss",
+           "explain_block_gemm", "explain_cast", "explain_correction_loss", "explain_kv_attention", "explain_kv_store",
+           "explain_quantize", "explain_raises", "explain_rollout_correction", "explain_weight_sync", "gemm_oracle",
+           "handler_for", "kv_attention_oracle", "run_check", "weight_sync_oracle"]
