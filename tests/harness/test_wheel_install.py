@@ -141,3 +141,41 @@ def test_a_reproduce_line_reruns_the_same_failure_from_the_installed_package_exa
     rerun = report(again_out)["checks"]
     assert [(c["id"], c["case"], c["outcome"]) for c in rerun] == [(first["id"], first["case"], "failed")]
     assert rerun[0]["message"].splitlines()[0] == first["message"].splitlines()[0]
+
+
+REPRO_ENGINE = '''
+"""Three mutants of fp8rl in one out-of-tree engine: quantize's scale in bf16, the KV store without its clamp, TIS
+weights without truncation."""
+from fp8rl.mutants import MUTANTS
+
+Combo = type("Combo", tuple(MUTANTS[n].factory for n in ("bf16-scale", "kv-no-clamp", "corr-no-truncation")),
+             {"name": "combo-of-mutants"})
+'''
+REPRO_CASES = {"quantization": "QUANT-EXACT-001[block]", "kv": "KV-STORE-001[head-e4m3fn]", "correction": "CORR-TIS-001"}
+
+
+def test_repro_scripts_reproduce_from_the_installed_wheel_exact(wheel_venv, tmp_path):
+    """fp8rl repro, installed from the wheel: for a failing case of the quantization, kv and correction areas, the
+    folder it writes holds a script that, run by the wheel environment's python from a directory outside the
+    repository with only the wheel's fp8rl (and the engine's own module) importable, exits 1 under --check and
+    prints the engine's and the oracle's values."""
+    pkg = tmp_path / "vendor"
+    pkg.mkdir()
+    (pkg / "combo_engine.py").write_text(REPRO_ENGINE)
+    env = {**wheel_venv["env"], "PYTHONPATH": str(pkg), "FP8RL_HYPOTHESIS_PROFILE": "ci"}
+    out = tmp_path / "report"
+    fp8 = str(wheel_venv["venv"] / "bin" / "fp8rl")
+    r = _run([fp8, "conformance", "--engine", "combo_engine:Combo", "-k", " or ".join(REPRO_CASES.values()),
+              "--no-isolation", "--out", str(out)], cwd=pkg, env=env)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    for area, label in REPRO_CASES.items():
+        folder = tmp_path / f"repro-{area}"
+        made = _run([fp8, "repro", str(out), label, "--out", str(folder)], cwd=tmp_path, env=env)
+        assert made.returncode == 0, (label, made.stdout[-3000:] + made.stderr[-3000:])
+        assert REPO_ROOT not in folder.resolve().parents
+        script = _run([str(wheel_venv["venv"] / "bin" / "python"), "repro.py", "--check"], cwd=folder, env=env)
+        assert script.returncode == 1, (label, script.stdout[-3000:] + script.stderr[-3000:])
+        text = script.stdout.lower()
+        assert "oracle" in text and "engine" in text, (label, script.stdout[-2000:])
+        assert str(wheel_venv["site"]) in _run([str(wheel_venv["venv"] / "bin" / "python"), "-c",
+                                                "import fp8rl; print(fp8rl.__file__)"], cwd=folder, env=env).stdout
