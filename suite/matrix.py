@@ -318,15 +318,52 @@ def build_cell_env(spec: CellSpec) -> tuple[str | None, str, str]:
     return py, "", ""
 
 
+#: what a failing check raises when it judged the numbers (anything else raised is the engine or its API)
+_JUDGED = ("AssertionError", "Failed")
+_RAISED = re.compile(r"\s*([\w.]*(?:Error|Exception|Exit))\b")
+
+
 def cases_of(report: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
+    """Each case of a report as the matrix shows it. A vendor xfail catches whatever the check raised: an xfailed
+    case whose failure is an exception other than a check's assertion (e.g. an older release's API missing what
+    the adapter calls) is ``crashed`` here, not the known finding."""
     from fp8rl.reports.merge import _one_line
     from fp8rl.repro import case_label
 
     out = {}
     for c in report.get("checks", []):
-        out[f"{prefix}{case_label(c)}"] = {"outcome": _CASE_OUTCOME.get(c["outcome"], "crashed"),
-                                           "message": _one_line(str(c.get("message") or ""), 300)}
+        outcome = _CASE_OUTCOME.get(c["outcome"], "crashed")
+        message = str(c.get("message") or "")
+        if c["outcome"] == "xfailed" and "\n" in message:
+            m = _RAISED.match(message.split("\n", 1)[1])
+            if m and m.group(1).rsplit(".", 1)[-1] not in _JUDGED:
+                outcome = "crashed"
+                message = f"xfailed by {m.group(1)}, not by the check's judgement: {message.split(chr(10), 1)[1]}"
+        out[f"{prefix}{case_label(c)}"] = {"outcome": outcome, "message": _one_line(message, 300)}
     return out
+
+
+def rebuild(out: Path) -> dict[str, Any]:
+    """The matrix in ``out`` made again from its cells' reports (same cells, same versions): after fp8rl's reading
+    of a report changed, no cell needs to run again."""
+    from fp8rl.reports import matrix as R
+
+    old = R.load(out / "matrix.json")
+    results: dict[int, CellResult] = {}
+    for i, c in enumerate(old["cells"]):
+        if c["status"] == "not_run":
+            continue
+        r = CellResult(i, c["version"], c["status"], c.get("reason", ""), c.get("wall_s", 0.0),
+                       c.get("installed", ""), host=c.get("host", ""))
+        if c["status"] == "ran":
+            problem = _read_reports(r, out / "cells" / f"{i:03d}-{c['version']}" / "reports")
+            if problem:
+                raise MatrixError(f"--rebuild {out}: cell {c['version']}: {problem}")
+            r.reports = [os.path.relpath(p, out) for p in r.reports]
+        results[i] = r
+    keys = ("tier", "package", "runs", "cell_command", "mode", "executor", "created", "locked_version")
+    meta: dict[str, Any] = {k: old[k] for k in keys if k in old}
+    return build_matrix(meta, old["versions"], results)
 
 
 def _read_reports(result: CellResult, out: Path) -> str:
@@ -486,11 +523,10 @@ def _inferred(b, i: int, versions: list[str]) -> str:
             return "bad" if b.bad_at_start else "good"
         t = b.transitions[0]
         return ("bad" if b.bad_at_start else "good") if j <= t.after else ("bad" if b.bad_at_end else "good")
-    lo = cls(lower[-1]) if lower else None
-    hi = cls(upper[0]) if upper else None
-    if lo and hi and lo != hi:
+    if not (lower and upper):  # one side only: the version may lie before the finding's outcome is known
         return ""
-    return lo or hi or ""
+    lo, hi = cls(lower[-1]), cls(upper[0])
+    return lo if lo == hi else ""
 
 
 def _bad_note(b, versions: list[str]) -> str:
@@ -636,7 +672,19 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     def say(s: str) -> None:
         print(s, flush=True)
 
+    if args.rebuild:
+        try:
+            matrix = rebuild(Path(args.out))
+            written = R.write(matrix, args.out)
+        except (MatrixError, OSError, ValueError) as exc:
+            print(f"fp8rl matrix: {exc}")
+            return EXIT_USAGE
+        print("\n".join(R.summary_lines(matrix)))
+        print(f"written: {written[0]}, {written[1]}")
+        return EXIT_OK
     try:
+        if args.versions is None:
+            raise MatrixError("--versions: required (A,B,C or A..B)")
         if args.timeout is not None and args.timeout <= 0:
             raise MatrixError(f"--timeout: expected seconds > 0, got {args.timeout}")
         if args.cell_timeout <= 0:
@@ -851,7 +899,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "matrix by bisection (matrix.json, matrix.html)")
     m.add_argument("--tier", help="the engine tier (noxfile.py TIERS) whose lock and conformance runs a cell uses")
     m.add_argument("--package", help="the library whose versions are the columns (a package of the tier's lock)")
-    m.add_argument("--versions", required=True, help="A,B,C or A..B (every PyPI release in the range)")
+    m.add_argument("--versions", help="A,B,C or A..B (every PyPI release in the range)")
     m.add_argument("--engine", action="append", default=[],
                    help="only the tier's runs of this engine (repeatable; default: the runs whose engine's library "
                         "is --package)")
@@ -872,6 +920,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "it writes report.json files under {out}")
     m.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment of every cell")
     m.add_argument("--out", default=DEFAULT_OUT, help="matrix.json, matrix.html and the cells' folders")
+    m.add_argument("--rebuild", action="store_true",
+                   help="make --out's matrix again from its cells' reports (runs nothing)")
     m.set_defaults(func=cmd_matrix)
     f = sub.add_parser("findings", help="the known FP8 findings of an installed (or named) library version, from "
                                         "stored version matrices (offline); see also `fp8rl report findings`")

@@ -8,7 +8,8 @@ crashed, timed out, not installable, absent, not run).
 either it is present from the oldest version up to a fix (bad…bad good…good), or it appears at some version and
 stays (good…good bad…bad), or it never changes. Under it, one cell at each end and a binary search between two
 cells of different class find the version where it changes in at most ``ceil(log2(n - 1))`` further cells for
-``n`` versions. The assumption is *checked* on the cells that ran: a finding whose ran cells change class more
+``n`` versions. The boundary where a cell (or a finding's case) stops giving an outcome — releases that don't
+install with the tier's pins, an API the adapter calls that older releases lack — is bisected the same way. The assumption is *checked* on the cells that ran: a finding whose ran cells change class more
 than once is flagged ``monotone: false`` (and each change among the ran cells is still bisected to adjacent
 versions, so the transitions reported are exact for the cells that ran). A finding that is bad only strictly
 inside the range (good at both ends) is seen only if a cell bisecting another finding lands on it: run the full
@@ -63,30 +64,30 @@ def _informative(key: str, observed: Mapping[int, Observed]) -> list[tuple[int, 
 def next_cells(n: int, observed: Mapping[int, Observed]) -> list[int]:
     """The indices (of ``n`` versions) to run next, given the cells that ran so far; [] when bisection is done.
 
-    Ends first: the oldest and newest version, and while the oldest (newest) cell that ran could not run (not
-    installable, crashed, timed out), the next unrun version inward. Then, for every finding and every pair of
-    consecutive informative cells of different class, the middle one of the unrun versions between them."""
+    First the oldest and newest version. Then every boundary is bisected: between two consecutive run cells where
+    one could run and the other not (not installable, crashed, timed out), and, for every finding, between two
+    consecutive run cells whose classes differ (bad, good, or no outcome: a crash of that case, not applicable,
+    absent), the middle one of the unrun versions between them. (No cell could run at all: the middle unrun one.)"""
     if n < 1:
         raise ValueError(f"n: expected at least one version, got {n}")
-    unrun = [i for i in range(n) if i not in observed]
     if not observed:
         return sorted({0, n - 1})
+    unrun = [i for i in range(n) if i not in observed]
+    cells = sorted(observed)
     want: set[int] = set()
-    ran = [i for i in sorted(observed) if observed[i].ran]
-    lo, hi = (ran[0], ran[-1]) if ran else (n, -1)
-    below = [i for i in unrun if i < lo]
-    above = [i for i in unrun if i > hi]
-    if below:
-        want.add(below[0])
-    if above:
-        want.add(above[-1])
-    for key in findings_of(observed):
-        seq = _informative(key, observed)
+
+    def bisect(seq: list[tuple[int, object]]) -> None:
         for (i, a), (j, b) in zip(seq, seq[1:]):
             if a != b:
                 between = [k for k in unrun if i < k < j]
                 if between:
                     want.add(between[len(between) // 2])
+
+    bisect([(i, observed[i].ran) for i in cells])
+    if unrun and not any(observed[i].ran for i in cells):
+        want.add(unrun[len(unrun) // 2])
+    for key in findings_of(observed):
+        bisect([(i, classify(observed[i].outcomes.get(key)) if observed[i].ran else None) for i in cells])
     return sorted(want)
 
 
