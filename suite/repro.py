@@ -1,7 +1,7 @@
-"""``fp8rl repro REPORT CHECK-ID[case] [--out DIR] [--check]``: a standalone reproduction of one failing case.
+"""``fp8rl repro REPORT CHECK-ID[case]... [--out DIR] [--check]``: standalone reproductions of failing cases.
 
-From a report (report.json, or the directory holding it) and one of its failed, errored or xfailed cases, this
-writes a folder a vendor can run without the fp8rl repository:
+From a report (report.json, or the directory holding it) and one or more of its failed, errored or xfailed cases,
+this writes, per case, a folder a vendor can run without the fp8rl repository:
 
 * ``call.safetensors`` + ``call.json``: the inputs of the offending engine op call, shrunk to the smallest slice that
   still disagrees with fp8rl's oracle; the op, its non-tensor arguments, the numerics the engine declares for it,
@@ -13,13 +13,16 @@ writes a folder a vendor can run without the fp8rl repository:
   holds and 0 once it is gone;
 * ``README.md``: the check (spec sentence, bound), the engine and versions, the slice, what the script printed here.
 
-How: the case is rerun (``fp8rl conformance --engine E -k 'ID[case]' --seed N`` in a subprocess, the report's
-profile) with :data:`fp8rl.repro_capture.CAPTURE_ENV` set, so that the guarded engine saves every op call; the
-first call whose result disagrees with the oracle (:mod:`fp8rl.repro_ops`) is the offender; smaller inputs (the
-failing row, block, head or token, then the fewest elements the op allows) are tried on the engine, smallest
-first, and the first that still disagrees is written. Ops without a comparison here (gemm, weight sync,
-checkpoints, rollouts) get a folder whose ``repro.py`` reruns the conformance case and whose README says plainly
-that the input was not captured. The guide to a repro folder: docs/repro.md.
+How: the cases are rerun together, once (``fp8rl conformance --engine E -k 'A or B ...' --seed N`` in one
+subprocess, the report's profile) with :data:`fp8rl.repro_capture.CAPTURE_ENV` set, so that the guarded engine saves
+every op call with the pytest node id of the check making it; each case takes the calls of its own node id. Per
+case, on a freshly loaded engine, the first call whose result disagrees with the oracle (:mod:`fp8rl.repro_ops`) is
+the offender; smaller inputs (the failing row, block, head, token or K block, then the fewest elements the op allows)
+are tried, smallest first, and the first that still disagrees is written. One case: ``--out`` is its folder; several:
+``--out DIR`` gets ``DIR/<case>/`` each (default ``<report dir>/repro/<case>``). Ops without a comparison here get a
+folder whose ``repro.py`` reruns the conformance case and whose README says plainly that the input was not captured;
+for the checkpoint and e2e areas it also says why it can't be (files on disk, a live model) and which fixture and seed
+rebuild it. The guide to a repro folder: docs/repro.md.
 """
 
 from __future__ import annotations
@@ -342,6 +345,15 @@ _BODIES.update({
     return explain_weight_sync(state_dict, policy, got, expected, limit=limit)
 """),
 })
+
+_BODIES["mx_quantize"] = (
+    "from fp8rl.reference.microscaling import mx_quantize\nfrom fp8rl.repro_ops import explain_mx_quantize\n",
+    """    x, recipe = call.args
+    got = engine.mx_quantize(x, recipe)  # the engine's op on the captured input
+    policy = engine.mx_policy(recipe)  # the MXPolicy it declares (call.json: declared)
+    expected = mx_quantize(x, policy)  # fp8rl's oracle under that policy
+    return explain_mx_quantize(x, recipe, policy, got, expected, limit=limit)
+""")
 
 _RAISES = ("from fp8rl.repro_ops import explain_raises\n",
            """    return explain_raises(engine, OP, call.args, call.kwargs)  # the op raised in the check

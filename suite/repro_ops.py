@@ -3,12 +3,17 @@
 For each supported op, an ``explain_<op>`` function takes the op's inputs, the engine's declared numerics, the
 engine's result and fp8rl's oracle result, and returns an :class:`Explanation`: how many elements disagree and, for
 the first ones, every intermediate value (quantize: the group's amax, the scale as amax/T and the engine's, x/s in
-fp32 and rounded to 16-bit dtypes, the expected and actual code and its decoded value). A :class:`Handler` per op
-ties it together for the repro command: run the engine and the oracle on captured arguments, and propose smaller
-inputs (the failing row, block, head or token, then the fewest elements the op allows) that may still disagree.
+fp32 and rounded to 16-bit dtypes, the expected and actual code and its decoded value; block_gemm: per K block the
+code products, both scales, the partial product exact and fp32-accumulated; kv_attention: the query, Q̂, the keys'
+scores and softmax weights; correction_loss: per token r, the per-token loss and ∂L/∂logp; weight_sync: the first
+differing 128x128 block's amax, scales and codes). A :class:`Handler` per op ties it together for the repro command:
+run the engine and the oracle on captured arguments, and propose smaller inputs (the failing row, block, head, token
+or K block, then the fewest elements the op allows) that may still disagree.
 
 Judgement is the check's: codes and masks bit-exact, IS weights within ``corr_weight``, metrics within
-``corr_metric`` (fp8rl.tolerances). Nothing here changes what a check decides; it only explains one op call.
+``corr_metric``, GEMM outputs within ``gemm_fp32_accum``, attention within ``kv_attention_arith``, the loss and its
+gradient within ``corr_loss`` (fp8rl.tolerances); weight sync byte for byte. Nothing here changes what a check
+decides; it only explains one op call.
 """
 
 from __future__ import annotations
@@ -1051,6 +1056,101 @@ class WeightSyncHandler:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# mx_quantize (area quantization, microscaling recipes)
+
+
+def explain_mx_quantize(x: torch.Tensor, recipe: str, policy: Any, got: Any, expected: Any, *,
+                        limit: int = DEFAULT_LIMIT) -> Explanation:
+    """Compare the engine's mx_quantize(x, recipe) with the oracle's under the declared MXPolicy: the global scale
+    (NVFP4) bit for bit, the block scale codes and the element codes; per differing block its amax, log2(amax/T)
+    and both scales; per differing element x, x/scale and both codes."""
+    from fp8rl.reference import microscaling as mx
+
+    B = int(policy.block)
+    lines = [f"mx_quantize[{recipe}] of x {tuple(x.shape)} {_dt(x.dtype)}; declared policy {policy.name!r}: elem "
+             f"{policy.elem}, block {B}, scale_fmt {policy.scale_fmt}, exp_rounding {policy.exp_rounding}, ratio_op "
+             f"{policy.ratio_op}, scale_op {policy.scale_op}, quant_op {policy.quant_op}, global_op {policy.global_op}"]
+    if tuple(got.shape) != tuple(expected.shape) or got.scales.shape != expected.scales.shape \
+            or got.data.shape != expected.data.shape:
+        lines.append(f"shapes differ: engine shape {tuple(got.shape)} scales {tuple(got.scales.shape)} data "
+                     f"{tuple(got.data.shape)}, oracle {tuple(expected.shape)} {tuple(expected.scales.shape)} "
+                     f"{tuple(expected.data.shape)}")
+        return Explanation("mx_quantize", 1, expected.scales.numel() + expected.data.numel(), None, lines)
+    n_g = 0
+    if expected.global_scale is not None:
+        gg = torch.as_tensor(got.global_scale, dtype=torch.float32).reshape(())
+        eg = expected.global_scale.reshape(()).float()
+        n_g = int(gg.view(torch.int32) != eg.view(torch.int32))
+        lines.append(f"global scale g: oracle {_f(float(eg))}, engine {_f(float(gg))}" + ("   <-- differs" if n_g else ""))
+    bad_s = got.scales != expected.scales
+    gc, ec = got.codes(), expected.codes()
+    bad_c = gc != ec
+    n_s, n_c = int(bad_s.sum()), int(bad_c.sum())
+    lines.append(f"block scale codes: {n_s} of {expected.scales.numel()} differ; element codes: {n_c} of {ec.numel()} "
+                 "differ")
+    xf = x.detach().cpu().float()
+    first_c = _first_indices(bad_c, limit)
+    blocks = _first_indices(bad_s, limit) or [(*ix[:-1], ix[-1] // B) for ix in first_c[:1]]
+    T = float(mx.ELEMENT_MAX[policy.elem])
+    gsv, esv = got.scale_values(), expected.scale_values()
+    for bi in blocks:
+        k0 = bi[-1] * B
+        blk = xf[bi[:-1]][k0:k0 + B]
+        amax = float(blk.abs().max())
+        r = float(torch.tensor(amax, dtype=torch.float32) / torch.tensor(T, dtype=torch.float32))
+        lines.append(f"block {_ix(bi)} = x[{', '.join(str(i) for i in bi[:-1])}, {k0}:{k0 + blk.numel()}]: amax "
+                     f"{_f(amax)}; amax/{T:g} fp32 {_f(r)}; log2 {math.log2(r) if r > 0 else -math.inf!r}")
+        lines.append(f"  scale code: oracle {int(expected.scales[bi])} (dequant multiplier {float(esv[bi])!r}), engine "
+                     f"{int(got.scales[bi])} ({float(gsv[bi])!r})")
+    for ix in first_c:
+        bi = (*ix[:-1], ix[-1] // B)
+        xv = float(xf[ix])
+        lines.append(f"element {_ix(ix)} (block {_ix(bi)}): x {_f(xv)}; x/scale with the oracle's scale "
+                     f"{xv / float(esv[bi]) if float(esv[bi]) else math.inf!r}; expected code {int(ec[ix]):#04x}, engine "
+                     f"code {int(gc[ix]):#04x}")
+    anchor = (blocks[0], B) if blocks else None  # the first differing block and the block size
+    return Explanation("mx_quantize", n_g + n_s + n_c, 1 + expected.scales.numel() + ec.numel(),
+                       first_c[0] if first_c else None, lines, anchor)
+
+
+class MXQuantizeHandler:
+    op = "mx_quantize"
+
+    def run(self, engine: Any, args: tuple, kwargs: dict, got: Any = None, limit: int = DEFAULT_LIMIT) -> Explanation:
+        from fp8rl.reference import microscaling as mx
+
+        x = args[0] if args else kwargs["x"]
+        recipe = args[1] if len(args) > 1 else kwargs["recipe"]
+        got = engine.mx_quantize(x, recipe) if got is None else got
+        policy = engine.mx_policy(recipe)
+        return explain_mx_quantize(x, recipe, policy, got, mx.mx_quantize(x, policy), limit=limit)
+
+    def declared(self, engine: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        import dataclasses
+
+        recipe = args[1] if len(args) > 1 else kwargs["recipe"]
+        return {"mx_policy": dataclasses.asdict(engine.mx_policy(recipe))}
+
+    def candidates(self, args: tuple, kwargs: dict, ex: Explanation) -> list[Candidate]:
+        x = args[0] if args else kwargs["x"]
+        recipe = args[1] if len(args) > 1 else kwargs["recipe"]
+        if ex.anchor is None or x.dim() < 1:
+            return []
+        bi, B = tuple(ex.anchor[0]), int(ex.anchor[1])
+        lead = bi[:-1]
+        k0 = bi[-1] * B
+        k1 = min(k0 + B, int(x.shape[-1]))
+        row = x.detach()[lead] if lead else x.detach()
+        shape = tuple(x.shape)
+        where = ", ".join(str(i) for i in lead)
+        return [Candidate((row[k0:k1].reshape(1, -1).contiguous(), recipe), {},  # NVFP4: g from this block alone
+                          f"block {_ix(bi)} = x[{where + ', ' if where else ''}{k0}:{k1}] of the original {shape} x "
+                          f"alone, as a (1, {k1 - k0}) tensor"),
+                Candidate((row.reshape(1, -1).contiguous(), recipe), {},
+                          f"row {_ix(lead)} of the original {shape} x (every block of it), as a (1, {shape[-1]}) tensor")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # any op that raised in the check
 
 
@@ -1066,7 +1166,7 @@ def explain_raises(engine: Any, op: str, args: tuple, kwargs: dict) -> Explanati
 #: op → handler
 HANDLERS: dict[str, Any] = {h.op: h for h in (QuantizeHandler(), CastHandler(), KVStoreHandler(), CorrectionHandler(),
                                               BlockGemmHandler(), KVAttentionHandler(), CorrectionLossHandler(),
-                                              WeightSyncHandler())}
+                                              WeightSyncHandler(), MXQuantizeHandler())}
 
 
 def handler_for(op: str) -> Any | None:
@@ -1084,6 +1184,6 @@ def run_check(explain: Callable[[], Explanation], check: bool) -> int:
 
 
 __all__ = ["Candidate", "DEFAULT_LIMIT", "Explanation", "HANDLERS", "correction_loss_oracle", "engine_correction_loss",
-           "explain_block_gemm", "explain_cast", "explain_correction_loss", "explain_kv_attention", "explain_kv_store",
+           "explain_block_gemm", "explain_cast", "explain_correction_loss", "explain_kv_attention", "explain_kv_store", "explain_mx_quantize",
            "explain_quantize", "explain_raises", "explain_rollout_correction", "explain_weight_sync", "gemm_oracle",
            "handler_for", "kv_attention_oracle", "run_check", "weight_sync_oracle"]

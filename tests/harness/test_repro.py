@@ -3,7 +3,7 @@
 One conformance run of an engine made of mutants (each breaks a different op: quantize's scale in bf16, the KV store
 without its clamp, TIS weights without truncation, the proximal policy one version off, one activation scale per
 tensor in the GEMM, FP8 attention without the q descale, the policy loss on whitened corrected advantages, weight
-sync storing 1/s, a checkpoint writer quantizing fp32 masters directly) gives a report with a failing case in the
+sync storing 1/s, a checkpoint writer quantizing fp32 masters directly, the MX exponent rounded up) gives a report with a failing case in the
 quantization, gemm, kv, correction, weight_sync and checkpoint areas and one in an op fp8rl repro has no comparison
 for. ONE ``fp8rl repro REPORT CASE... --out DIR`` reruns the op-level cases together and writes a folder per case
 (module fixture ``repros``); the op without a comparison goes through the single-case path. The engine is named as an
@@ -28,7 +28,8 @@ from fp8rl.repro_capture import Opaque, decode, encode, load_call, save_call
 REPO = Path(__file__).resolve().parents[2]
 
 MUTANTS = ("bf16-scale", "kv-no-clamp", "corr-no-truncation", "corr-prox-off-by-one", "gemm-act-scale-per-tensor",
-           "kv-q-scale-ignored", "learn-is-before-adv-norm", "wsync-scale-inverse", "ckpt-writer-fp32-direct")
+           "kv-q-scale-ignored", "learn-is-before-adv-norm", "wsync-scale-inverse", "ckpt-writer-fp32-direct",
+           "mx-ceil-for-floor")
 COMBO = textwrap.dedent(f'''
     """Mutants of fp8rl in one engine: each overrides a different op."""
     from fp8rl.mutants import MUTANTS
@@ -41,7 +42,8 @@ COMBO = textwrap.dedent(f'''
 CASES = {"quantization": "QUANT-EXACT-001[block]", "kv": "KV-STORE-001[head-e4m3fn]", "correction": "CORR-TIS-001",
          "gemm": "GEMM-BOUND-001[block-fp32]", "kv_attention": "KV-ATTN-001[varlen-causal-head-e4m3fn]",
          "correction_loss": "CORR-LOSS-001", "weight_sync": "WSYNC-EXACT-001[tiny-qwen3]",
-         "checkpoint": "CKPT-WRITE-001[fp32-tiny-qwen3]", "other": "CORR-PROX-001"}
+         "checkpoint": "CKPT-WRITE-001[fp32-tiny-qwen3]", "mx_quantize": "MX-EXACT-001[mxfp8_e4m3]",
+         "other": "CORR-PROX-001"}
 TOGETHER = [label for area, label in CASES.items() if area != "other"]
 
 
@@ -119,6 +121,12 @@ def _call_doc(folder: Path, which: str = "call") -> dict:
 
 
 def _ran(folder: Path, env: dict[str, str], *texts: str) -> str:
+    """Run the folder's repro.py --check (outside the repository): it must exit 1 and print ``texts``; it imports
+    only the standard library and the installed fp8rl (the engine through its name)."""
+    source = (folder / "repro.py").read_text()
+    assert str(REPO) not in source
+    assert _imported_modules(source) <= {"__future__", "argparse", "sys", "pathlib", "fp8rl", "json", "subprocess",
+                                         "tempfile"}
     ran = _script(folder, env)
     assert ran.returncode == 1, ran.stdout + ran.stderr
     for text in texts:
@@ -226,6 +234,18 @@ def test_checkpoint_repro_names_the_fixture_and_seed_and_reruns_the_case(failing
         assert text in readme, (text, readme)
     assert not (folder / "call.safetensors").exists()
     _ran(folder, env, "CKPT-WRITE-001[fp32-tiny-qwen3]: failed", "codes differ")
+
+
+def test_mx_quantize_repro_is_the_failing_32_element_block(failing_report, repros):
+    """mx-ceil-for-floor (the E8M0 exponent rounded up where the OCP floor rule is declared): the repro is the first
+    differing 32-element block alone."""
+    _, env = failing_report
+    folder = repros["mx_quantize"]
+    assert _tensor_shapes(folder) == [[1, 32]]
+    assert _call_doc(folder, "original")["args"][0]["shape"] == [8, 256]
+    assert _call_doc(folder)["repro"]["declared"]["mx_policy"]["exp_rounding"] == "floor"
+    _ran(folder, env, "exp_rounding floor", "amax/448 fp32", "scale code: oracle", "x/scale with the oracle's scale",
+         "expected code 0x", "of the original (8, 256) x alone")
 
 
 def test_e2e_fallback_names_the_fixture_seed_and_why():
