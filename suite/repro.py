@@ -795,7 +795,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--check", action="store_true",
                    help="then run each folder's repro.py --check: exit 1 while a discrepancy holds, 0 if all are gone")
     r.add_argument("--timeout", type=float, default=1800.0, metavar="S",
-                   help="seconds allowed for the rerun of the case (default 1800)")
+                   help="seconds allowed for the rerun of the cases (default 1800)")
     r.set_defaults(func=cmd_repro)
 
 
