@@ -842,6 +842,9 @@ def locks_table() -> str:
                  else "README's `.venv`, `nox -s tests conformance lint typecheck asv mutants kv_drift`")
         note = ("; ".join(notes) + t.lock_note).strip()
         rows.append(f"| `{t.name}.txt` | {where} | `{t.extras}` | {note} |".replace("|  |", "| |"))
+    rows.append(f"| `{RAY_LOCK}.txt` | `nox -s matrix` (`fp8rl matrix`, locally or `--ray`) | `test,lint,ray` | "
+                "the base lock's versions plus Ray (compiled with `base.txt` as constraints); not a tier: it runs no "
+                "conformance of its own, each matrix cell builds its own environment |")
     rows.append("| `tools.txt` | what runs the tiers (`.ci/run`) | — | nox and uv, from `tools.in` |")
     return "\n".join(["| lock | environment | extras (pyproject.toml) | notes |", "| --- | --- | --- | --- |", *rows])
 
