@@ -24,6 +24,13 @@ the SD of the paired differences (floored at the rewards' rounding; fewer than 3
 "underpowered: need N seeds" when δ < MDE (no verdict; N from the same formula); else "matches BF16 within δ" when
 the CI lies inside [−δ, δ] and "does not match" when it crosses ±δ.
 
+Regime options (docs/learning-parity.md, "A regime where correction matters"; the defaults leave the measured
+configuration's results unchanged): ``--stale K`` rolls the recipe's conditions out from the trainer's weights K
+steps old (asynchronous RL's off-policy lag; the ``bf16`` baseline stays synchronous: the learning the pipeline must
+match); ``--metric exact`` judges the trainer's exact expected reward J(θ) = Σ_s π_θ(s) R(s) per step (every response
+enumerated) instead of the rollouts' mean reward, which also counts the rollout policy's own reward; ``--vocab``,
+``--horizon`` and ``--logit-gain`` (a sharper initial policy) change the toy task.
+
 Positive controls (``--control``, :mod:`fp8rl.parity_controls`): conditions built to be wrong, which must get "does
 not match"; ``--sigma``/``--temperature`` sweeps their strength and parity.json records the smallest value caught.
 
@@ -41,7 +48,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +60,13 @@ if TYPE_CHECKING:
 #: correction names of the command → the learning oracle's corrections
 CORRECTIONS = {"none": "none", "tis": "token-tis", "seq-tis": "seq-tis", "is": "is", "icepop": "icepop",
                "rs": "rs"}
+
+#: the curve the verdict judges: the mean reward of the step's rollouts (the default), or the trainer's exact expected
+#: reward J(θ) = Σ_s π_θ(s) R(s) before the step's update, by enumerating the vocab^horizon responses. The rollout
+#: reward mixes learning with the rollout policy's own reward (a noisier or staler sampler collects less from the same
+#: policy); the exact one is learning only
+METRICS = ("rollout", "exact")
+EXACT_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,13 @@ class ParityConfig:
     final: int = 10
     delta: float = 0.05
     boot: int = 2000
+    #: options of the regime search (docs/learning-parity.md, "A regime where correction matters"); the defaults are
+    #: the measured configuration's and leave its results unchanged
+    stale: int = 0  #: rollouts from the trainer's weights ``stale`` steps old (asynchronous RL's off-policy lag)
+    metric: str = "rollout"  #: judged curve: "rollout" (the rollouts' mean reward) or "exact" (J(θ) by enumeration)
+    vocab: int = 8
+    horizon: int = 3
+    logit_gain: float = 2.0  #: initial lm_head scale (toy_state_dict): larger = a sharper, lower-entropy policy
 
     def validate(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -84,6 +105,26 @@ class ParityConfig:
             raise ValueError(f"--lr and --delta: expected > 0, got {self.lr}, {self.delta}")
         if self.modulus < 2:
             raise ValueError(f"--modulus: expected ≥ 2, got {self.modulus}")
+        if int(self.stale) < 0:
+            raise ValueError(f"--stale: expected ≥ 0, got {self.stale}")
+        if self.metric not in METRICS:
+            raise ValueError(f"--metric: expected one of {list(METRICS)}, got {self.metric!r}")
+        if not (math.isfinite(self.logit_gain) and self.logit_gain > 0):
+            raise ValueError(f"--logit-gain: expected a finite number > 0, got {self.logit_gain}")
+        from fp8rl.reference.learning import ToyTask
+
+        try:
+            ToyTask(vocab=self.vocab, horizon=self.horizon, modulus=self.modulus)
+        except ValueError as exc:
+            raise ValueError(f"--vocab/--horizon: {exc}") from None
+        if self.metric == "exact" and self.vocab ** self.horizon > EXACT_MAX:
+            raise ValueError(f"--metric exact: enumerates vocab^horizon responses per step; expected ≤ {EXACT_MAX}, "
+                             f"got {self.vocab}^{self.horizon}")
+
+    def task(self):
+        from fp8rl.reference.learning import ToyTask
+
+        return ToyTask(vocab=self.vocab, horizon=self.horizon, modulus=self.modulus)
 
 
 def _trainer(cfg: dict, sd: dict):
@@ -124,10 +165,29 @@ def run_one(engine, task, cfg: dict, sd: dict, recipe: str, correction: str, see
     n = pc.groups * pc.group_size
     p_len = len(task.prompt)
     out: dict[str, list[float]] = {k: [] for k in ("reward", "k3", "tis_clip", "grad_norm", "cos_bf16")}
+    if pc.metric == "exact":
+        out["exact_reward"] = []
+        from fp8rl.reference.learning import enumerate_sequences
+
+        all_resp = enumerate_sequences(task)
+        all_tok = torch.cat([task.prompt_tensor(all_resp.shape[0]), all_resp], 1)
+        all_r = task.reward(all_resp)
     grads: list[torch.Tensor] = []
+    history = [_bf16_state(model)] if pc.stale else []  # the synced weights of steps 0..step (stale rollouts)
     for step in range(pc.steps):
-        if step:
+        if step and pc.stale:
+            history.append(_bf16_state(model))
+            if len(history) > pc.stale + 1:
+                history.pop(0)
+            if step > pc.stale:  # steps 1..stale roll out from the initial weights the engine already holds
+                handle = engine.update_weights(handle, history[0])
+        elif step:
             handle = engine.update_weights(handle, _bf16_state(model))
+        if pc.metric == "exact":
+            with torch.no_grad():
+                lg = model(input_ids=all_tok, use_cache=False).logits[:, p_len - 1:-1].double()
+                seq_lp = torch.log_softmax(lg, -1).gather(-1, all_resp[:, :, None]).squeeze(-1).sum(-1)
+            out["exact_reward"].append(float((seq_lp.exp() * all_r).sum()))
         res = engine.rollout(handle, task.prompt_tensor(n), task.horizon, greedy=False,
                              seed=seed * 100_003 + step)
         tokens, roll_lp = res[0].clone(), res[1].clone().double()
@@ -271,7 +331,7 @@ def run_parity(pc: ParityConfig, progress=None, *, control: str | None = None,
     ``control`` (``fp8rl.parity_controls.CONTROLS``), the conditions are the baseline and that positive control's,
     one per value of its σ or temperature (``values``; None: its defaults), on the reference engine; parity.json's
     ``control`` names the conditions parity caught and the smallest value it caught."""
-    from fp8rl.reference.learning import ToyTask, toy_config, toy_state_dict
+    from fp8rl.reference.learning import toy_config, toy_state_dict
     from fp8rl.reference.rollout import single_thread
     from fp8rl.registry import load_engine
 
@@ -279,17 +339,19 @@ def run_parity(pc: ParityConfig, progress=None, *, control: str | None = None,
     if control is not None and pc.engine != "reference":
         raise ValueError(f"--engine: the positive controls run on the reference engine, got {pc.engine!r}")
     engine = load_engine(pc.engine)
-    task = ToyTask(modulus=pc.modulus)
+    task = pc.task()
     cfg = toy_config(task)
     conditions = _conditions(pc, control, values)
     runs: dict[str, list[dict[str, list[float]]]] = {c.name: [] for c in conditions}
     t0 = time.time()
     for seed in range(pc.seeds):
-        sd = toy_state_dict(cfg, seed)
+        sd = toy_state_dict(cfg, seed, logit_gain=pc.logit_gain)
         base = None
         for c in conditions:
             with single_thread():  # an 11k-parameter model gains nothing from threads; contention costs 3-5x
-                res = run_one(c.engine or engine, task, cfg, sd, c.recipe, c.correction, seed, pc,
+                # the baseline is synchronous BF16 whatever --stale says: what an asynchronous pipeline must match
+                res = run_one(c.engine or engine, task, cfg, sd, c.recipe, c.correction, seed,
+                              pc if base is not None or not pc.stale else replace(pc, stale=0),
                               ref_grads=None if base is None else base["grads"], correct=c.correct)
             if base is None:
                 base = res
@@ -297,13 +359,14 @@ def run_parity(pc: ParityConfig, progress=None, *, control: str | None = None,
             if progress:
                 progress(f"seed {seed} {c.name}: final reward "
                          f"{sum(res['metrics']['reward'][-pc.final:]) / pc.final:.3f} ({time.time() - t0:.0f} s)")
-    finals = {name: [sum(m["reward"][-pc.final:]) / pc.final for m in ms] for name, ms in runs.items()}
-    curves = {name: [sum(m["reward"]) / len(m["reward"]) for m in ms] for name, ms in runs.items()}
+    key = "exact_reward" if pc.metric == "exact" else "reward"
+    finals = {name: [sum(m[key][-pc.final:]) / pc.final for m in ms] for name, ms in runs.items()}
+    curves = {name: [sum(m[key]) / len(m[key]) for m in ms] for name, ms in runs.items()}
     verdicts = {}
     for c in conditions[1:]:
         name = c.name
         v = judge(name, [a - b for a, b in zip(curves[name], curves["bf16"], strict=True)], pc.delta, pc.boot,
-                  resolution=1.0 / (pc.groups * pc.group_size * pc.steps))
+                  resolution=1.0 / (pc.groups * pc.group_size * pc.steps) if key == "reward" else 0.0)
         fmean, flo, fhi = paired_bootstrap([a - b for a, b in zip(finals[name], finals["bf16"], strict=True)],
                                            pc.boot)
         cos = [x for m in runs[name] for x in m["cos_bf16"] if math.isfinite(x)]
@@ -426,6 +489,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--modulus", type=int, default=d.modulus, help=f"reward modulus (default {d.modulus})")
     p.add_argument("--final", type=int, default=d.final, help=f"steps averaged for the final reward ({d.final})")
     p.add_argument("--delta", type=float, default=d.delta, help=f"parity margin δ on the reward (default {d.delta})")
+    p.add_argument("--stale", type=int, default=d.stale,
+                   help="roll out from the trainer's weights this many steps old, as asynchronous RL does (default "
+                        f"{d.stale}: on-policy up to the recipe's numerics)")
+    p.add_argument("--metric", choices=METRICS, default=d.metric,
+                   help=f"the curve judged: rollout (the rollouts' mean reward, default) or exact (the trainer's "
+                        f"expected reward J(θ) by enumerating every response; vocab^horizon ≤ {EXACT_MAX})")
+    p.add_argument("--vocab", type=int, default=d.vocab, help=f"toy vocabulary (default {d.vocab})")
+    p.add_argument("--horizon", type=int, default=d.horizon, help=f"response length in tokens (default {d.horizon})")
+    p.add_argument("--logit-gain", type=float, default=d.logit_gain,
+                   help=f"initial logit scale of the toy policy: larger = sharper (default {d.logit_gain})")
     p.add_argument("--out", default="fp8rl-parity", help="output directory (default ./fp8rl-parity)")
     p.set_defaults(func=_main)
 
@@ -467,7 +540,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         pc = ParityConfig(engine=args.engine, recipe=args.recipe, correction=args.correction, seeds=args.seeds,
                           steps=args.steps, groups=args.groups, group_size=args.group_size, lr=args.lr,
-                          modulus=args.modulus, final=args.final, delta=args.delta)
+                          modulus=args.modulus, final=args.final, delta=args.delta, stale=args.stale,
+                          metric=args.metric, vocab=args.vocab, horizon=args.horizon, logit_gain=args.logit_gain)
         pc.validate()
         from fp8rl.reference.rollout import get_recipe
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from fp8rl import parity as P
 from fp8rl.cli import main
 
@@ -130,3 +131,83 @@ def test_parity_usage_errors_exact(tmp_path, capsys, args, needle):
     rc = main(["parity", "--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err, (rc, err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# regime options (docs/learning-parity.md, "A regime where correction matters")
+
+
+def test_regime_options_default_to_the_measured_configuration():
+    d = P.ParityConfig()
+    assert (d.stale, d.metric, d.vocab, d.horizon, d.logit_gain) == (0, "rollout", 8, 3, 2.0)
+    assert d.task().vocab == 8 and d.task().horizon == 3 and d.task().modulus == 5
+
+
+def _two_steps(**kw):
+    from fp8rl.reference.learning import toy_config, toy_state_dict
+    from fp8rl.registry import load_engine
+
+    pc = P.ParityConfig(steps=3, groups=4, group_size=8, final=1, **kw)
+    task = pc.task()
+    cfg = toy_config(task)
+    return load_engine("reference"), task, cfg, toy_state_dict(cfg, 0), pc
+
+
+def test_stale_rollouts_come_from_the_weights_k_steps_old():
+    """--stale 1: step t rolls out from the weights after t − 1 updates. Recorded by the engine's update_weights:
+    steps 0 and 1 both use the initial weights (no update), step 2 the weights after the first update."""
+    engine, task, cfg, sd, pc = _two_steps(stale=1)
+    synced = []
+    orig = engine.update_weights
+
+    def spy(handle, state):
+        synced.append({k: v.clone() for k, v in state.items()})
+        return orig(handle, state)
+
+    engine.update_weights = spy
+    seen = []
+    orig_state = P._bf16_state
+
+    def record(model):
+        st = orig_state(model)
+        seen.append(st)
+        return st
+
+    P._bf16_state, saved = record, P._bf16_state
+    try:
+        res = P.run_one(engine, task, cfg, sd, "bf16", "none", 0, pc)
+    finally:
+        P._bf16_state = saved
+    # seen: init (rollout_init), the history's copy of θ0, then θ1, θ2 appended at steps 1, 2
+    assert len(synced) == 1, "one sync: step 2's rollout from θ1; steps 0 and 1 use θ0"
+    theta1 = seen[2]
+    assert all(torch.equal(synced[0][k], theta1[k]) for k in theta1)
+    assert not all(torch.equal(synced[0][k], seen[0][k]) for k in theta1)  # θ1 differs from θ0
+    # a stale rollout differs from its trainer: the k3 mismatch KL is 0 at steps 0 (same weights) and > 0 after
+    assert res["metrics"]["k3"][0] < 1e-4 < res["metrics"]["k3"][2]
+
+
+def test_exact_metric_is_the_enumerated_expected_reward():
+    """--metric exact records J(θ) = Σ_s π_θ(s) R(s) before each step's update: at step 0 it is the initial policy's,
+    recomputed here from the float64 oracle's table (the trainer is float32)."""
+    from fp8rl.reference.learning import gradient_table
+
+    engine, task, cfg, sd, pc = _two_steps(metric="exact")
+    res = P.run_one(engine, task, cfg, sd, "bf16", "none", 0, pc)
+    tab = gradient_table(task, cfg, sd)
+    j0 = float((tab.seq_token_logp().sum(-1).exp() * task.reward(tab.seqs)).sum())
+    assert res["metrics"]["exact_reward"][0] == pytest.approx(j0, abs=1e-5)
+    assert len(res["metrics"]["exact_reward"]) == 3
+    default = P.run_one(engine, task, cfg, sd, "bf16", "none", 0, P.ParityConfig(steps=3, groups=4, group_size=8,
+                                                                                  final=1))
+    assert "exact_reward" not in default["metrics"]
+    assert default["metrics"]["reward"] == res["metrics"]["reward"]  # the enumeration leaves the run as it was
+
+
+@pytest.mark.parametrize("args,needle", [(["--stale", "-1"], "--stale"),
+                                         (["--metric", "exact", "--vocab", "20"], "--metric exact"),
+                                         (["--vocab", "1"], "--vocab"),
+                                         (["--logit-gain", "0"], "--logit-gain")])
+def test_regime_option_usage_errors(tmp_path, capsys, args, needle):
+    rc = main(["parity", "--out", str(tmp_path / "x"), *args])
+    assert rc == 2 and needle in capsys.readouterr().err
