@@ -435,6 +435,11 @@ def nightly(session: nox.Session) -> None:
                 "--out", "fp8rl-nightly/parity", success_codes=[0, 1, 4])
     # the positive controls at full budget (8 seeds x 30 steps): each must get "does not match BF16" (exit 0 = caught);
     # each parity.json records the smallest strength caught (control.smallest_detected), shown on the dashboard
+    # the CPU regime where correction matters (docs/learning-parity.md): FP8 rollouts 4 steps stale, exact expected
+    # reward, sequence IS (~3 min); exit 1 ("does not match") or 4 ("underpowered") on the corrected condition is the
+    # finding the dashboard tracks, not a failure of the session
+    run_or_note("parity stale regime", "fp8rl", "parity", "--recipe", "fp8-all", "--correction", "is", "--stale", "4",
+                "--metric", "exact", "--seeds", "16", "--out", "fp8rl-nightly/parity-stale4", success_codes=[0, 1, 4])
     for control, sweep in NIGHTLY_PARITY_CONTROLS.items():
         run_or_note(f"parity control {control} not caught", "fp8rl", "parity", "--control", control, *sweep,
                     "--out", f"fp8rl-nightly/parity-{control}")
