@@ -184,11 +184,16 @@ _LEARNING = (
         measured=("not reproduced at toy scale: fp8-all+none also matches BF16 within δ = 0.05 (gap −0.014 "
                   "[−0.027, −0.002], minimum detectable gap 0.022; the exact gradient bias is 1.3 % of ‖∇J‖). The "
                   "check can see a degradation: uncorrected logit noise is caught from σ = 2 (8 seeds), a "
-                  "temperature-3 sampler reporting temperature-1 log-probs loses 0.27. The LLM-scale effect needs a "
-                  "GPU run"),
+                  "temperature-3 sampler reporting temperature-1 log-probs loses 0.27. With rollouts 4 steps stale "
+                  "(asynchronous RL), uncorrected FP8 training loses −0.172 [−0.294, −0.071] of exact expected "
+                  "reward against synchronous BF16 and sequence IS restores parity (−0.023, 16 seeds) — but stale "
+                  "BF16 loses −0.117 too: the harm there is staleness, FP8 numerics add no resolved gap (−0.056 "
+                  "[−0.145, +0.003]). The LLM-scale FP8 effect needs a GPU run"),
         evidence=("docs/learning-parity.md", "suite/parity_controls.py"),
         reproduce=("fp8rl parity --engine reference --recipe fp8-all --correction none --out fp8rl-parity-none; "
-                   "fp8rl parity --control noise --out fp8rl-parity-noise")),
+                   "fp8rl parity --control noise --out fp8rl-parity-noise; "
+                   "fp8rl parity --recipe fp8-all --correction is --stale 4 --metric exact --seeds 16 "
+                   "--out fp8rl-parity-stale4")),
 )
 
 
