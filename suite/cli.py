@@ -556,16 +556,21 @@ EXTRA_COMMAND_MODULES = ("fp8rl.kv_cli", "fp8rl.report_cli", "fp8rl.perf.cli", "
 
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
+    restore = None
     if raw[:1] and raw[0] in ("conformance", "mutants"):
         from fp8rl.runner import record_early_signals
 
-        record_early_signals()  # a signal during start-up must still end in an honest report
-    parser = build_parser()
+        restore = record_early_signals()  # a signal during start-up must still end in an honest report
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
-    return int(args.func(args))
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:
+            return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+        return int(args.func(args))
+    finally:
+        if restore is not None:  # called in-process (tests, a wrapper): leave no handler and no remembered signal
+            restore()
 
 
 if __name__ == "__main__":

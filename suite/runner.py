@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,15 +304,23 @@ class SupervisedRun:
 EARLY_SIGNALS: list[str] = []
 
 
-def record_early_signals() -> None:
-    """Install SIGINT/SIGTERM handlers that only remember the signal (see :data:`EARLY_SIGNALS`)."""
+def record_early_signals() -> Callable[[], None]:
+    """Install SIGINT/SIGTERM handlers that only remember the signal (see :data:`EARLY_SIGNALS`); returns the call
+    that puts the previous handlers back and forgets the remembered signals (``fp8rl.cli.main`` calls it when the
+    command returns, so an in-process caller's later commands start clean)."""
     import signal
 
     def remember(signum: int, frame: object) -> None:
         EARLY_SIGNALS.append(signal.Signals(signum).name)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, remember)
+    previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        EARLY_SIGNALS.clear()
+
+    return restore
 
 
 def run_supervised(args: list[str], *, grace_s: float = 30.0) -> SupervisedRun:

@@ -38,3 +38,23 @@ def test_conditional_entries_scope_xfails_in_a_run(tmp_path):
     amx = vendor_files.ENTRY_CONDITIONS["cpu:amx"]()
     assert (cases["e4m3fn"], cases["e5m2"]) == (("xpassed", "passed") if amx else ("passed", "xpassed"))
     assert not any("matches no collected check" in w for w in rep["warnings"])
+
+
+def test_in_process_main_leaves_no_signal_handler_and_no_remembered_signal_exact(tmp_path):
+    """``fp8rl.cli.main`` called in-process (as the test above does) must not change its caller: the SIGINT/SIGTERM
+    handlers it installs to remember a signal during start-up are put back when it returns, and a remembered signal
+    is forgotten. Before, a test process that once received a signal would have turned every later in-process run
+    into "interrupted before any check was planned" (no per-case outcomes): an order-dependent failure."""
+    import signal
+
+    from fp8rl import runner
+    from fp8rl.cli import main
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    assert main(["conformance", "--engine", "no-such-engine", "--out", str(tmp_path / "r")]) == 2
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    restore = runner.record_early_signals()
+    signal.raise_signal(signal.SIGTERM)  # remembered, not acted on
+    assert runner.EARLY_SIGNALS == ["SIGTERM"]
+    restore()
+    assert runner.EARLY_SIGNALS == [] and {sig: signal.getsignal(sig) for sig in before} == before
