@@ -383,10 +383,10 @@ def run_parity(pc: ParityConfig, progress=None, *, control: str | None = None,
         caught = {c.name: verdicts[c.name]["verdict"] == "does-not-match" for c in conditions[1:]}
         detected = [c.strength for c in conditions[1:] if caught[c.name]]
         param = PARAMETER[control]
+        smallest = min(x for x in detected if x is not None) if any(x is not None for x in detected) else None
         out["control"] = {"name": control, "breaks": CONTROLS[control], "caught": caught, "parameter": param,
-                          "values": [c.strength for c in conditions[1:]],
-                          "smallest_detected": min(detected) if detected else None}
-        out["control"][f"smallest_{param}_detected"] = out["control"]["smallest_detected"]
+                          "values": [c.strength for c in conditions[1:]], "smallest_detected": smallest,
+                          f"smallest_{param}_detected": smallest}
     return out
 
 
