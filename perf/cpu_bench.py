@@ -80,11 +80,9 @@ def write_large_model(out: Path) -> Path:
 
 def _release_llms() -> None:
     """Stop the running ``vllm.LLM`` engine cores (one model's three LLMs at a time fit the memory)."""
-    from fp8rl.engines.vllm import llm as vllm_llm
+    from fp8rl.engines.vllm import pool
 
-    for key, entry in list(vllm_llm._LLMS.items()):
-        vllm_llm._LLMS.pop(key, None)
-        vllm_llm._stop_llm(entry)
+    pool.stop_all()
 
 
 def main(argv: list[str] | None = None) -> int:

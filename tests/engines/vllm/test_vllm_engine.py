@@ -292,7 +292,7 @@ def test_ptpc_rollout_within_budget_and_weights_bit_exact(eng, monkeypatch):
         mod = worker.model_runner.get_model().model.layers[0].self_attn.qkv_proj
         return mod.weight.t().contiguous().view(torch.uint8).tolist(), mod.weight_scale.float().tolist()
 
-    codes, scale = (torch.tensor(x) for x in h["entry"][0].collective_rpc(_qkv)[0])
+    codes, scale = (torch.tensor(x) for x in h["entry"].llm.collective_rpc(_qkv)[0])
     codes, scale = codes.to(torch.uint8), scale.to(torch.float32)
     w = torch.cat([m.state_dict[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16)
     ref = quantize(w.float(), Granularity.channel(), V.POLICIES["channel"])
@@ -318,7 +318,7 @@ def test_one_seed_per_request_gives_a_group_identical_samples_row_seeds_do_not(e
     p = fixtures.prompt_ids(1).repeat(16, 1)
     sp = SamplingParams(max_tokens=6, min_tokens=6, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0, seed=5,
                         detokenize=False)
-    outs = h["entry"][0].generate([TokensPrompt(prompt_token_ids=r) for r in p.tolist()], sp, use_tqdm=False)
+    outs = h["entry"].llm.generate([TokensPrompt(prompt_token_ids=r) for r in p.tolist()], sp, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # vLLM: same seed, same prompt, same sample
     tokens, lp, logits = eng.rollout_logits(h, p, 6, greedy=False, seed=5)
     assert len({tuple(r) for r in tokens[:, 12:].tolist()}) > 8 and row_seed(5, 0) != row_seed(5, 1)
@@ -340,7 +340,8 @@ def test_requests_of_one_call_share_a_schedule_whatever_their_arrival_exact(eng,
 
     from fp8rl import fixtures
     from fp8rl.conformance import _e2e as E
-    from fp8rl.engines.vllm.llm import generate_scheduled_together, live_llm
+    from fp8rl.engines.vllm.llm import generate_scheduled_together
+    from fp8rl.engines.vllm.pool import live_llm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
