@@ -543,6 +543,21 @@ def _bound_bad(got: torch.Tensor, expected: torch.Tensor, bound: Any) -> tuple[t
     return err > b, err, b
 
 
+def _beyond_bound(got: torch.Tensor, expected: torch.Tensor, bound: Any, limit: int, *, bound_name: str,
+                  element: str, axes: str = "") -> tuple[int, list[tuple[int, ...]], list[str]]:
+    """(how many outputs lie beyond the bound, the first ``limit`` of them, the printout): a count line, then per
+    element ``<element>[index]<axes>: oracle, engine, |err| > bound`` (the judgement of :func:`_bound_bad`)."""
+    bad, err, b = _bound_bad(got, expected, bound)
+    nb = int(bad.sum())
+    lines = [f"outputs beyond the {bound_name}: {nb} of {expected.numel()}"]
+    first = _first_indices(bad, limit)
+    gd, ed = got.detach().cpu().double(), expected.detach().cpu().double()
+    for ix in first:
+        lines.append(f"{element}{_ix(ix)}{axes}: oracle {_f(float(ed[ix]))}, engine {_f(float(gd[ix]))}, "
+                     f"|err| {float(err[ix]):.3e} > bound {float(b[ix]):.3e}")
+    return nb, first, lines
+
+
 def _dt(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -593,14 +608,9 @@ def explain_block_gemm(a: Any, w: Any, out_dtype: torch.dtype, got: torch.Tensor
     if tuple(got.shape) != (m, n):
         lines.append(f"shape differs: engine {tuple(got.shape)}, expected ({m}, {n})")
         return Explanation("block_gemm", 1, m * n, None, lines)
-    bad, err, b = _bound_bad(got, expected, bound)
-    nb = int(bad.sum())
-    lines.append(f"outputs beyond the bound: {nb} of {m * n}")
-    first = _first_indices(bad, limit)
+    nb, first, shown = _beyond_bound(got, expected, bound, limit, bound_name="bound", element="y")
+    lines += shown
     gd, ed = got.detach().cpu().double(), expected.detach().cpu().double()
-    for ix in first:
-        lines.append(f"y{_ix(ix)}: oracle {_f(float(ed[ix]))}, engine {_f(float(gd[ix]))}, |err| {float(err[ix]):.3e} "
-                     f"> bound {float(b[ix]):.3e}")
     if first:
         i, j = first[0]
         av, wv = a.values().double(), w.values().double()
@@ -706,14 +716,10 @@ def explain_kv_attention(q: torch.Tensor, k_cache: Any, v_cache: Any, kw: dict, 
     if tuple(got.shape) != tuple(expected.shape):
         lines.append(f"shape differs: engine {tuple(got.shape)}, expected {tuple(expected.shape)}")
         return Explanation("kv_attention", 1, expected.numel(), None, lines)
-    bad, err, b = _bound_bad(got, expected, bound)
-    nb = int(bad.sum())
-    lines.append(f"outputs beyond the kv_attention_arith bound: {nb} of {expected.numel()}")
-    first = _first_indices(bad, limit)
+    nb, first, shown = _beyond_bound(got, expected, bound, limit, bound_name="kv_attention_arith bound",
+                                     element="o", axes=" (batch, query, head, d)")
+    lines += shown
     gd, ed = got.detach().cpu().double(), expected.detach().cpu().double()
-    for ix in first:
-        lines.append(f"o{_ix(ix)} (batch, query, head, d): oracle {_f(float(ed[ix]))}, engine {_f(float(gd[ix]))}, "
-                     f"|err| {float(err[ix]):.3e} > bound {float(b[ix]):.3e}")
     if first:
         bi, i, h, _ = first[0]
         g = h // (Hq // Hkv)
