@@ -7,13 +7,21 @@ weight is quantized on the fly with 128×128 blocks and the engine receives ``(n
 (⌈N/128⌉, ⌈K/128⌉) for an (N, K) weight.
 
 What is quantized (docs/paper-numbers.md §1.3, verl ``FP8QuantizerHelper``, vLLM ``is_fp8_weight``): 2-D ``.weight`` tensors of the
-attention projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``, the MLP ``gate_proj``/``up_proj``/``down_proj``
-and the same projections of every MoE expert (``mlp.experts.<e>.*``) and of a shared expert
-(``mlp.shared_expert.*``, Qwen2-MoE / DeepSeek-MoE). What stays BF16 by default: the embeddings, ``lm_head``, every
-norm (RMSNorm, QK-norm), every bias (1-D), the MoE router ``mlp.gate`` (verl #5107; the paper's router ablation
-shows the largest mismatch when the router is quantized) and the shared-expert gate ``mlp.shared_expert_gate`` (a
-1 × hidden sigmoid gate: a router-like scalar per token). Patterns are regular expressions matched with
-``re.search`` against the parameter name; ``exclude`` wins over ``include``.
+attention projections ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (DeepSeek's MLA: ``q_a_proj``/``q_b_proj``/
+``kv_a_proj_with_mqa``/``kv_b_proj``/``o_proj``, as in DeepSeek-V3's own FP8 checkpoint), the MLP
+``gate_proj``/``up_proj``/``down_proj`` and the same projections of every MoE expert (``mlp.experts.<e>.*``) and of
+a shared expert (``mlp.shared_expert.*`` Qwen2-MoE, ``mlp.shared_experts.*`` DeepSeek). Experts packed into 3-D
+tensors (transformers 5's in-memory layout ``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj``
+(E, H, I)) are quantized expert by expert: codes of the tensor's shape and scales (E, ⌈N/128⌉, ⌈K/128⌉), each
+expert's slice exactly the 2-D quantization of that expert's weight (vLLM's ``w13_weight_scale_inv`` layout). What
+stays BF16 by default: the embeddings, ``lm_head``, every norm (RMSNorm, QK-norm, MLA's ``q_a_layernorm``/
+``kv_a_layernorm``), every bias (1-D; DeepSeek's router ``e_score_correction_bias`` too), the MoE router
+``mlp.gate`` (verl #5107; the paper's router ablation shows the largest mismatch when the router is quantized), the
+shared-expert gate ``mlp.shared_expert_gate`` (a 1 × hidden sigmoid gate: a router-like scalar per token) and a
+multimodal model's vision tower ``visual.*`` (the FP8 rollout recipe covers the language model's linear layers; the
+vision encoder runs once per image and its merger feeds the language model directly: llm-compressor's FP8 recipes
+for VL models ignore ``re:.*visual.*``). Patterns are regular expressions matched with ``re.search`` against the
+parameter name; ``exclude`` wins over ``include``.
 
 The quantizer is the oracle's :func:`fp8rl.reference.quant.quantize` with ``Granularity.block(128)`` under a
 :class:`~fp8rl.reference.policy.ScalePolicy` (verl's Triton path is the ``verl_triton`` preset of
@@ -37,14 +45,22 @@ from fp8rl.reference.quant import Granularity, QuantizedTensor, quantize
 
 __all__ = [
     "DEFAULT_EXCLUDE", "DEFAULT_INCLUDE", "FP8_TORCH_DTYPES", "SCALE_SUFFIX", "WeightSyncRecipe",
-    "dequantize_state_dict", "ignored_layers", "is_quantized_name", "load_hf_checkpoint", "quantization_config",
-    "quantize_state_dict", "quantized_names", "scale_name", "synced_tensors", "write_hf_checkpoint",
+    "PACKED_EXPERTS", "dequantize_state_dict", "expert_key", "ignored_layers", "is_packed_experts", "is_quantized_name",
+    "load_hf_checkpoint", "quantization_config", "quantize_state_dict", "quantized_names", "scale_name",
+    "source_tensor", "synced_tensors", "write_hf_checkpoint",
 ]
 
 #: suffix of the fp32 dequant scale stored next to each FP8 weight (``q_proj.weight`` → ``q_proj.weight_scale_inv``)
 SCALE_SUFFIX = "_scale_inv"
-#: names whose 2-D ``.weight`` is quantized: attention and MLP projections, dense or per expert
-DEFAULT_INCLUDE: tuple[str, ...] = (r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$",)
+#: names whose 2-D ``.weight`` is quantized: attention (GQA and MLA) and MLP projections, dense, per expert, or the
+#: 3-D packed experts (:data:`PACKED_EXPERTS`)
+DEFAULT_INCLUDE: tuple[str, ...] = (
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$",
+    r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$",
+    r"\.experts\.(gate_up_proj|down_proj)$",
+)
+#: the 3-D packed expert tensors (E, N, K) quantized expert by expert (transformers 5's fused MoE layout)
+PACKED_EXPERTS = r"\.experts\.(gate_up_proj|down_proj)$"
 #: names that stay BF16 whatever ``include`` says: embeddings, lm_head, every norm, the MoE router (and a shared-
 #: expert gate, which the name-based SGLang filter would otherwise catch through its broad "mlp" include)
 DEFAULT_EXCLUDE: tuple[str, ...] = (
@@ -53,6 +69,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     r"norm\.weight$",
     r"(^|\.)mlp\.gate\.weight$",
     r"(^|\.)shared_expert_gate\.",
+    r"(^|\.)visual\.",
 )
 #: element format → torch dtype of the stored FP8 weights
 FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -129,10 +146,16 @@ def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
+def is_packed_experts(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """A 3-D packed expert tensor (E, N, K) (:data:`PACKED_EXPERTS`)."""
+    return len(tuple(shape)) == 3 and re.search(PACKED_EXPERTS, name) is not None
+
+
 def is_quantized_name(name: str, shape: tuple[int, ...] | torch.Size, recipe: WeightSyncRecipe | None = None) -> bool:
-    """Whether weight sync quantizes this parameter: 2-D, matches ``include`` and no ``exclude`` pattern."""
+    """Whether weight sync quantizes this parameter: 2-D (or 3-D packed experts), matches ``include`` and no
+    ``exclude`` pattern."""
     r = recipe or WeightSyncRecipe()
-    if len(tuple(shape)) != 2:
+    if len(tuple(shape)) != 2 and not is_packed_experts(name, shape):
         return False
     if any(re.search(p, name) for p in r.exclude):
         return False
@@ -173,12 +196,30 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], recipe: WeightSy
         if not is_quantized_name(name, tuple(t.shape), r):
             out[name] = t.to(r.cast_dtype) if t.is_floating_point() and t.dtype != r.cast_dtype else t
             continue
-        qt = qfn(t.detach().to("cpu", r.cast_dtype), g)
-        if not isinstance(qt, QuantizedTensor):
-            raise TypeError(f"quantize_fn returned {type(qt).__name__} for {name!r}, expected QuantizedTensor")
-        out[name] = qt.codes.contiguous().view(FP8_TORCH_DTYPES[qt.fmt])
-        out[scale_name(name)] = qt.scale.to(torch.float32).contiguous()
+        x = t.detach().to("cpu", r.cast_dtype)
+        qts = [qfn(xe, g) for xe in x] if x.dim() == 3 else [qfn(x, g)]  # packed experts: expert by expert
+        for qt in qts:
+            if not isinstance(qt, QuantizedTensor):
+                raise TypeError(f"quantize_fn returned {type(qt).__name__} for {name!r}, expected QuantizedTensor")
+        codes = [qt.codes.contiguous().view(FP8_TORCH_DTYPES[qt.fmt]) for qt in qts]
+        scales = [qt.scale.to(torch.float32).contiguous() for qt in qts]
+        out[name] = torch.stack(codes) if x.dim() == 3 else codes[0]
+        out[scale_name(name)] = torch.stack(scales) if x.dim() == 3 else scales[0]
     return out
+
+
+def expert_key(name: str, expert: int) -> str:
+    """The key :func:`synced_tensors` gives expert ``expert``'s slice of a packed tensor: ``name[expert]``."""
+    return f"{name}[{expert}]"
+
+
+def source_tensor(state_dict: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The BF16 weight behind a :func:`synced_tensors` key (a packed expert slice ``name[e]`` → ``state_dict[name][e]``),
+    None if the state dict has no such tensor."""
+    m = re.fullmatch(r"(?P<name>.*)\[(?P<e>\d+)\]", key)
+    if m and m["name"] in state_dict:
+        return state_dict[m["name"]][int(m["e"])]
+    return state_dict.get(key)
 
 
 def synced_tensors(synced: Mapping[str, torch.Tensor], block: tuple[int, int] = (128, 128),
@@ -186,7 +227,8 @@ def synced_tensors(synced: Mapping[str, torch.Tensor], block: tuple[int, int] = 
     """The FP8 weights of a synced state dict as QuantizedTensors (``policy`` is only a label here).
 
     A weight counts as quantized when ``name + "_scale_inv"`` is present; its dtype must be one of the FP8 dtypes
-    and the scale fp32 of the ceil-div shape (ValueError otherwise).
+    and the scale fp32 of the ceil-div shape (ValueError otherwise). A 3-D packed expert tensor gives one entry per
+    expert, keyed :func:`expert_key` (``name[e]``), whose scales are the matching slice of the 3-D scale tensor.
     """
     policy = get_policy(policy)
     g = Granularity.block(block)
@@ -203,6 +245,13 @@ def synced_tensors(synced: Mapping[str, torch.Tensor], block: tuple[int, int] = 
             raise ValueError(f"{sname}: expected float32, got {s.dtype}")
         codes = t.detach().cpu().contiguous().view(torch.uint8)
         pol = policy.for_format(fmts[t.dtype])
+        if codes.dim() == 3:
+            if s.dim() != 3 or s.shape[0] != codes.shape[0]:
+                raise ValueError(f"{sname}: expected ({codes.shape[0]}, ...) scales for the packed {name} "
+                                 f"{tuple(codes.shape)}, got {tuple(s.shape)}")
+            for e in range(codes.shape[0]):
+                out[expert_key(name, e)] = QuantizedTensor(codes[e], s[e].detach().cpu().contiguous(), g, pol)
+            continue
         out[name] = QuantizedTensor(codes, s.detach().cpu().contiguous(), g, pol)
     return out
 
@@ -212,12 +261,18 @@ def dequantize_state_dict(synced: Mapping[str, torch.Tensor], block: tuple[int, 
     """Inverse of :func:`quantize_state_dict`: every (FP8, ``*_scale_inv``) pair → fp8·scale in ``dtype``
     (exact in fp64, rounded once), scale entries dropped, everything else unchanged."""
     qts = synced_tensors(synced, block)
-    drop = {scale_name(n) for n in qts}
+    drop = {scale_name(n) for n in synced if scale_name(n) in synced}
     out: dict[str, torch.Tensor] = {}
     for name, t in synced.items():
         if name in drop:
             continue
-        out[name] = qts[name].dequantize(torch.float64).to(dtype) if name in qts else t
+        if name in qts:
+            out[name] = qts[name].dequantize(torch.float64).to(dtype)
+        elif expert_key(name, 0) in qts:
+            out[name] = torch.stack([qts[expert_key(name, e)].dequantize(torch.float64).to(dtype)
+                                     for e in range(t.shape[0])])
+        else:
+            out[name] = t
     return out
 
 

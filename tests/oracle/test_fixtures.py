@@ -38,12 +38,12 @@ def test_manifest_detects_a_changed_file(tmp_path, monkeypatch):
 def test_generated_weights_match_the_recorded_digests():
     """numpy's PCG64 streams (and the init recipe) fix the weights every mismatch budget was measured on."""
     want = F.load_manifest()["generated"]
-    assert set(want) == {f"{n}/{v}" for n in F.TINY_MODELS for v in ("base", "update")}
+    assert set(want) == {f"{n}/{v}" for n in F.SYNC_MODELS for v in ("base", "update")}
     for key, digest in want.items():
         name, variant = key.split("/")
         spec = F.tiny_model_spec(name)
         sd = F.generate_state_dict(F.model_config(name), int(spec["seed"]), spec["init"],
-                                   spec["update"] if variant == "update" else None)
+                                   spec["update"] if variant == "update" else None, layout=spec.get("layout", "hub"))
         assert F.digest_state_dict(sd) == digest, f"{key}: generated weights changed (bump GENERATOR_VERSION, " \
             "re-measure the e2e budgets, rewrite the manifest)"
 
@@ -126,8 +126,61 @@ def test_architecture_variant_fixtures():
     assert qkv % 128 and gate_up % 128 and "model.layers.0.self_attn.q_norm.weight" in odd.state_dict
 
 
+@pytest.mark.parametrize("name", F.SYNC_MODELS)
+def test_fixture_names_and_shapes_are_transformers_own_exact(name):
+    """Every fixture (the family ones included) has the parameter names and shapes transformers' own model class
+    builds from its config (on the meta device: nothing allocated). transformers 5 holds MoE experts packed, so a
+    hub-layout fixture is compared after fp8rl.fixtures.fuse_experts; the fused fixtures are compared as they are."""
+    import transformers
+
+    m = F.tiny_model(name)
+    config = transformers.AutoConfig.for_model(**m.config)
+    auto = transformers.AutoModelForImageTextToText if "vision_config" in m.config else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    assert type(model).__name__ == m.config["architectures"][0]
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if m.config.get("tie_word_embeddings"):
+        want.pop("lm_head.weight")
+    sd = m.state_dict if F.tiny_model_spec(name).get("layout") == "fused-experts" else F.fuse_experts(m.state_dict)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+
+
+def test_family_fixtures_exercise_their_family():
+    """Each family fixture holds what its family adds (and the capability table has a key per family)."""
+    from fp8rl import capabilities
+
+    assert set(F.SYNC_MODELS) == set(F.TINY_MODELS) | set(F.FAMILY_MODELS)
+    assert {f for n in F.FAMILY_MODELS for f in F.model_families(n)} == set(F.WSYNC_FAMILIES)
+    assert all(f"weight_sync.{f}" in capabilities.CAPABILITIES for f in F.WSYNC_FAMILIES)
+    assert all(F.model_families(n) == () for n in F.TINY_MODELS)
+    ds = F.tiny_model("tiny-deepseek-v3").state_dict
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert f"model.layers.0.self_attn.{proj}.weight" in ds
+    assert ds["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 320)
+    assert "model.layers.0.mlp.gate_proj.weight" in ds  # first_k_dense_replace = 1: layer 0 is dense
+    vl = F.tiny_model("tiny-qwen2.5-vl").state_dict
+    assert "model.visual.blocks.0.mlp.gate_proj.weight" in vl and "model.language_model.layers.1.self_attn.q_proj.bias" in vl
+    assert not any(k.startswith("model.layers.") for k in vl)
+    assert "model.layers.0.self_attn.q_norm.weight" not in F.tiny_model("tiny-llama").state_dict
+
+
+@pytest.mark.parametrize("variant", ["base", "update"])
+def test_fused_fixture_is_the_per_expert_fixture_packed_exact(variant):
+    """tiny-qwen3-moe-fused holds tiny-qwen3-moe's weights: gate_up_proj[e] = [gate_e; up_e], down_proj[e] = down_e."""
+    hub, fused = F.tiny_model("tiny-qwen3-moe", variant).state_dict, F.tiny_model("tiny-qwen3-moe-fused", variant).state_dict
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts."
+        for e in range(8):
+            gu, down = fused[p + "gate_up_proj"][e], fused[p + "down_proj"][e]
+            assert torch.equal(gu[:128], hub[f"{p}{e}.gate_proj.weight"]) and torch.equal(gu[128:], hub[f"{p}{e}.up_proj.weight"])
+            assert torch.equal(down, hub[f"{p}{e}.down_proj.weight"])
+    assert {k: v for k, v in fused.items() if ".experts." not in k}.keys() == \
+        {k for k in hub if ".experts." not in k}
+
+
 def test_master_weights_are_fp32_and_the_fixture_is_their_bf16_cast_exact():
-    for name in F.TINY_MODELS:
+    for name in F.SYNC_MODELS:
         for variant in ("base", "update"):
             master, sd = F.master_state_dict(name, variant), F.tiny_model(name, variant).state_dict
             assert set(master) == set(sd) and all(t.dtype == torch.float32 for t in master.values())

@@ -92,7 +92,7 @@ def test_fp32_master_weights_are_cast_to_bf16_first():
 def test_fp32_master_state_dict_syncs_like_its_bf16_cast_exact():
     """Every tensor, quantized or kept, of an fp32 master state dict syncs bit for bit like its BF16 cast; the kept
     ones are shipped in BF16."""
-    for name in F.TINY_MODELS:
+    for name in F.SYNC_MODELS:
         master = F.master_state_dict(name)
         a = ws.quantize_state_dict(master)
         b = ws.quantize_state_dict({k: v.to(torch.bfloat16) for k, v in master.items()})
@@ -178,4 +178,61 @@ def test_synced_tensors_rejects_malformed_pairs():
         ws.synced_tensors(bad)
     bad = {"a.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 1)}
     with pytest.raises(ValueError, match="scale"):
+        ws.synced_tensors(bad)
+
+
+def test_packed_experts_sync_like_their_unfused_experts_exact():
+    """Packed (E, N, K) experts are quantized expert by expert: tiny-qwen3-moe-fused's codes and (E, ceil(N/128),
+    ceil(K/128)) scales are tiny-qwen3-moe's per-expert tensors stacked (gate and up are 128 rows each, so the fused
+    gate_up blocks are exactly the gate and up blocks), and every other tensor syncs identically."""
+    hub = ws.quantize_state_dict(F.tiny_model("tiny-qwen3-moe").state_dict)
+    fused = ws.quantize_state_dict(F.tiny_model("tiny-qwen3-moe-fused").state_dict)
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts."
+        for what, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            codes, scales = fused[p + what], fused[ws.scale_name(p + what)]
+            assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+            want_c = torch.stack([torch.cat([hub[f"{p}{e}.{q}.weight"] for q in parts]) for e in range(8)])
+            want_s = torch.stack([torch.cat([hub[ws.scale_name(f"{p}{e}.{q}.weight")] for q in parts]) for e in range(8)])
+            assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8))
+            assert torch.equal(scales, want_s) and scales.shape == (8, 2, 2 if what == "gate_up_proj" else 1)
+    rest = [k for k in fused if ".experts." not in k]
+    assert all(torch.equal(fused[k].view(torch.uint8), hub[k].view(torch.uint8)) for k in rest)
+
+
+def test_family_fixtures_quantize_the_language_model_projections_only():
+    """Hand-listed: MLA's five projections per layer, the dense layer's MLP, the packed experts and the shared experts
+    of tiny-deepseek-v3 (router, its bias and both MLA norms kept); every projection of Qwen2.5-VL's language model
+    and nothing of its vision tower; Llama's seven projections per layer."""
+    ds = set(ws.quantized_names(F.tiny_model("tiny-deepseek-v3").state_dict))
+    want = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2)
+            for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+    want |= {f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    want |= {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    want |= {f"model.layers.1.mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert ds == want
+    vl_sd = F.tiny_model("tiny-qwen2.5-vl").state_dict
+    vl = set(ws.quantized_names(vl_sd))
+    assert vl == {f"model.language_model.layers.{i}.{p}.weight" for i in range(2)
+                  for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert len(ws.quantized_names(F.tiny_model("tiny-llama").state_dict)) == 14
+
+
+def test_packed_experts_dequantize_back_within_the_roundtrip_bound():
+    sd = F.tiny_model("tiny-deepseek-v3").state_dict
+    synced = ws.quantize_state_dict(sd)
+    qts = ws.synced_tensors(synced)
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert {ws.expert_key(name, e) for e in range(4)} <= set(qts) and name not in qts
+    assert torch.equal(ws.source_tensor(sd, ws.expert_key(name, 2)), sd[name][2])
+    back = ws.dequantize_state_dict(synced)
+    assert back[name].shape == sd[name].shape and ws.scale_name(name) not in back
+    for e in range(4):
+        qt = qts[ws.expert_key(name, e)]
+        bound = tolerances.quant_roundtrip_bound(sd[name][e].float().abs(), qt.expanded_scale(), qt.fmt)
+        assert ((back[name][e].double() - sd[name][e].double()).abs() <= bound.double() + 2.0 ** -8 * back[name][e].double().abs()).all()
+    with pytest.raises(ValueError, match="packed"):
+        bad = dict(synced)
+        bad[ws.scale_name(name)] = synced[ws.scale_name(name)][0]
         ws.synced_tensors(bad)
