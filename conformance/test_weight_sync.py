@@ -9,6 +9,14 @@ projection dimension that is a multiple of 128 and tied embeddings; ``tiny-qwen2
 projections are quantized) with a shared-expert gate and q/k/v biases (kept BF16). The trainer's fp32 master weights
 must sync bit for bit like their BF16 cast.
 
+The other architecture families (``fp8rl.fixtures.FAMILY_MODELS``; each needs the engine's ``weight_sync.<family>``
+capability, docs/weight-sync-families.md): ``tiny-llama`` (dense Llama), ``tiny-deepseek-v3`` (MLA attention — its
+q_a/q_b/kv_a_proj_with_mqa/kv_b_proj/o_proj quantized, q_a_layernorm/kv_a_layernorm kept — and MoE whose routed
+experts come packed in transformers 5's 3-D layout, DeepSeek's ``shared_experts`` and router bias),
+``tiny-qwen3-moe-fused`` (tiny-qwen3-moe's weights packed the same way: each expert's slice must sync exactly as
+the unfused expert does) and ``tiny-qwen2.5-vl`` (the language model under ``model.language_model.``, quantized as
+any Qwen2 decoder; the vision tower ``model.visual.*`` kept BF16).
+
 The microscaling rollout recipes (WSYNC-MX-*; fp8rl.reference.mx_weight_sync, docs/microscaling.md): ``mxfp8`` syncs
 every projection as MXFP8 e4m3 + E8M0 scales, ``nvfp4-experts`` only the routed experts as NVFP4, in
 compressed-tensors' names (what vLLM's compressed-tensors schemes load), bit-exact under the declared ``mx_policy``.
@@ -22,7 +30,7 @@ import re
 import pytest
 import torch
 from fp8rl import fixtures, tolerances
-from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check
+from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
 from fp8rl.reference import microscaling as mx
 from fp8rl.reference import mx_weight_sync as mxws
 from fp8rl.reference import weight_sync as ws
@@ -30,6 +38,9 @@ from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.quant import Granularity
 
 MODELS = pytest.mark.parametrize("model", fixtures.TINY_MODELS)
+#: the weight-sync fixtures: the Qwen families and the other architecture families (fp8rl.fixtures.SYNC_MODELS);
+#: a fixture of another family needs the engine's ``weight_sync.<family>`` capability too (:func:`_synced`)
+SYNC_MODELS = pytest.mark.parametrize("model", fixtures.SYNC_MODELS)
 
 #: the tensors that must stay BF16 (spec, independent of the engine): name pattern → why
 KEEP_BF16 = {
@@ -38,7 +49,9 @@ KEEP_BF16 = {
     r"norm\.weight$": "norms (RMSNorm, QK-norm)",
     r"(^|\.)mlp\.gate\.weight$": "the MoE router mlp.gate",
     r"(^|\.)mlp\.shared_expert_gate\.weight$": "the shared-expert gate mlp.shared_expert_gate (router-like)",
-    r"\.bias$": "biases (q/k/v)",
+    r"\.bias$": "biases (q/k/v, the vision tower's)",
+    r"(^|\.)mlp\.gate\.e_score_correction_bias$": "DeepSeek's router bias mlp.gate.e_score_correction_bias",
+    r"(^|\.)visual\.": "a multimodal model's vision tower model.visual.* (patch embedding, blocks, merger)",
 }
 
 
@@ -48,6 +61,7 @@ def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
 
 
 def _synced(engine, model: str) -> dict[str, torch.Tensor]:
+    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
     return engine.weight_sync(fixtures.tiny_model(model).state_dict)  # validated by GuardedEngine
 
 
@@ -55,7 +69,7 @@ def _expected_names(model: str) -> list[str]:
     return ws.quantized_names(fixtures.tiny_model(model).state_dict)
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-EXACT-001", "Every quantized projection (q/k/v/o, gate/up/down, each expert's) has FP8 codes and "
        "*_weight_scale_inv dequant scales equal to the oracle's 128x128 block quantization of the BF16 weight "
        "under the engine's declared block policy, bit for bit (partial edge blocks and non-square scale grids "
@@ -76,12 +90,13 @@ def test_weight_sync_exact(engine, model):
                                  f"{tuple(g_s.shape)}, expected {want[name].dtype} + float32 "
                                  f"{tuple(want[sname].shape)}")
         assert_tensors_equal(g_s, want[sname], context=f"{model}: {sname} ({policy.name})")
-        assert_codes_equal(g_w.contiguous().view(torch.uint8), want[name].view(torch.uint8), policy.fmt,
+        assert_codes_equal(g_w.contiguous().view(torch.uint8).reshape(-1, g_w.shape[-1]),
+                           want[name].view(torch.uint8).reshape(-1, g_w.shape[-1]), policy.fmt,
                            context=f"{model}: {name} codes ({policy.name})",
-                           inputs=fixtures.tiny_model(model).state_dict[name].float())
+                           inputs=fixtures.tiny_model(model).state_dict[name].float().reshape(-1, g_w.shape[-1]))
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-NAMES-001", "The synced state dict has exactly the checkpoint's names plus one '<name>_scale_inv' "
        "per quantized weight; FP8 weights are torch.float8_e4m3fn of the weight's shape and every scale is "
        "float32 of shape (ceil(N/128), ceil(K/128)).", requires=["weight_sync"])
@@ -96,7 +111,8 @@ def test_weight_sync_names_and_shapes_exact(engine, model):
     problems = []
     for n in names:
         w, s = got[n], got[ws.scale_name(n)]
-        want_s = g.scale_shape(tuple(sd[n].shape))
+        shape = tuple(sd[n].shape)  # packed experts (E, N, K): one (ceil(N/128), ceil(K/128)) grid per expert
+        want_s = shape[:-2] + tuple(g.scale_shape(shape[-2:]))
         if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != tuple(sd[n].shape):
             problems.append(f"{n}: {w.dtype} {tuple(w.shape)}, expected torch.float8_e4m3fn {tuple(sd[n].shape)}")
         if s.dtype != torch.float32 or tuple(s.shape) != tuple(want_s):
@@ -104,7 +120,7 @@ def test_weight_sync_names_and_shapes_exact(engine, model):
     assert not problems, f"{model}: {len(problems)} tensors with wrong dtype/shape: " + "; ".join(problems[:6])
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-EXCL-001", "Embeddings, lm_head, every norm (incl. QK-norm), biases, the MoE router mlp.gate and the "
        "shared-expert gate are shipped unchanged in BF16 (bit-identical to the trainer's weights) and get no scale: "
        "quantizing the router, the shared-expert gate or lm_head fails.", requires=["weight_sync"])
@@ -126,7 +142,7 @@ def test_weight_sync_keeps_bf16_exact(engine, model):
     assert not bad, f"{model}: {len(bad)} tensors that must stay BF16 do not: " + "; ".join(bad[:6])
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-BOUND-001", "Whatever the declared policy, each dequantized synced weight (fp8 · block scale) is "
        "within the quantization round-trip bound of the BF16 weight.", bound="quant_roundtrip",
        requires=["weight_sync"])
@@ -139,9 +155,10 @@ def test_weight_sync_dequant_bound(engine, model):
     except ValueError as exc:
         raise AssertionError(f"{model}: synced tensors are not FP8 + 128x128 block scales: {exc}") from None
     for name, qt in qts.items():
-        if name not in sd:
+        src = ws.source_tensor(sd, name)  # a packed expert's slice for name[e]
+        if src is None:
             continue
-        x = sd[name].float()
+        x = src.float()
         scale_full = qt.expanded_scale()
         bound = tolerances.quant_roundtrip_bound(x.abs(), scale_full, qt.fmt)
         assert_within_bound(qt.dequantize(torch.float64), x, bound, context=f"{model}: {name} ({g.label})")
@@ -168,12 +185,13 @@ def _diff_synced(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     return bad
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-MASTER-001", "The trainer's fp32 master weights sync exactly like their BF16 cast: weight_sync of the "
        "fp32 state dict equals weight_sync of its round-to-nearest-even BF16 cast bit for bit (names, dtypes, "
        "shapes, FP8 codes, scales and the BF16 tensors kept as they are), so the rollout runs the policy the "
        "trainer's BF16 forward computes.", requires=["weight_sync"])
 def test_weight_sync_fp32_master_exact(engine, model):
+    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
     master = fixtures.master_state_dict(model)
     got = engine.weight_sync({k: v.clone() for k, v in master.items()})
     want = engine.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
@@ -309,7 +327,7 @@ def _refit_problems(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
     return out
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-REFIT-001", "After each of 3 refits with changing weights, every parameter the engine's live model "
        "holds, read back in the layout its kernels consume (FP8 codes, *_weight_scale_inv scales, BF16 leftovers), "
        "equals the oracle's weight sync of that step's BF16 weights under the engine's declared block policy, bit "
@@ -317,6 +335,7 @@ def _refit_problems(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
        "shared-expert gate stay BF16), none stale, none silently cast, none missing, none extra.",
        requires=["weight_sync.refit"])
 def test_refit_steps_exact(engine, model):
+    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
     config = fixtures.tiny_model(model).config
     recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
     before = None
@@ -331,13 +350,14 @@ def test_refit_steps_exact(engine, model):
         before = want
 
 
-@MODELS
+@SYNC_MODELS
 @check("WSYNC-REFIT-002", "A refit that fails (a weight of the wrong shape in the middle of the step's stream) "
        "raises, and the live model still holds the previous step's parameters bit for bit: no tensor of the failed "
        "step is left behind (a half-updated policy).", requires=["weight_sync.refit"])
 def test_refit_failure_atomic_exact(engine, model):
     from fp8rl.engine import EngineError
 
+    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
     config = fixtures.tiny_model(model).config
     recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
     prev = _step_state_dict(model, 0)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fp8rl.fixtures import WSYNC_FAMILIES
 from fp8rl.reference import microscaling, mx_weight_sync, rollout
 from fp8rl.reference.formats import ELEMENT_FORMATS
 from fp8rl.reference.quant import GRANULARITY_KINDS
@@ -30,6 +31,16 @@ MX_RECIPES: tuple[str, ...] = tuple(microscaling.RECIPES)
 #: the microscaling weight-sync recipes (``mx_weight_sync.<recipe>``): fp8rl.reference.mx_weight_sync.MX_SYNC_RECIPES
 MX_SYNC_RECIPES: tuple[str, ...] = tuple(mx_weight_sync.MX_SYNC_RECIPES)
 
+#: what each weight-sync architecture family beyond Qwen adds (``weight_sync.<family>``; the families are the
+#: fixtures' list, fp8rl.fixtures.WSYNC_FAMILIES, imported)
+WSYNC_FAMILY_NOTES: dict[str, str] = {
+    "llama": "Llama dense (tiny-llama)",
+    "mla": "DeepSeek-V3 MLA attention (q_a/q_b/kv_a_proj_with_mqa/kv_b_proj; tiny-deepseek-v3)",
+    "fused-experts": "3-D packed MoE experts, transformers 5's mlp.experts.gate_up_proj / down_proj "
+                     "(tiny-qwen3-moe-fused, tiny-deepseek-v3)",
+    "multimodal": "multimodal wrapper: language model under model.language_model., vision tower model.visual. "
+                  "kept BF16 (tiny-qwen2.5-vl)",
+}
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
 _ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy",
@@ -96,6 +107,10 @@ def _table() -> dict[str, Capability]:
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),
     ]
+    for fam in WSYNC_FAMILIES:
+        what = WSYNC_FAMILY_NOTES[fam]
+        rows.append(Capability(f"weight_sync.{fam}", "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
+                               f"weight_sync of the {what} fixtures (fp8rl.fixtures.WSYNC_FAMILIES)"))
     rows += [
         Capability("checkpoint.write", "checkpoint", ("checkpoint_write", "scale_policy"),
                    "checkpoint_write: BF16/fp32 weights → a blockwise-FP8 HF checkpoint (codes, *_weight_scale_inv, "

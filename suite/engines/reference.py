@@ -223,11 +223,22 @@ class ReferenceEngine(Engine):
     def refit(self, config, state_dict):
         """The oracle's refit: the live model of ``config`` holds the step's :meth:`weight_sync` output. The first
         refit of a config defines the model's parameter set; a later one may carry any subset (a bucket) and is
-        validated entirely (names, shapes, dtypes) before anything is replaced, so a failed refit changes nothing."""
+        validated entirely (names, shapes, dtypes) before anything is replaced, so a failed refit changes nothing.
+        A trainer streaming packed experts (transformers 5's ``mlp.experts.gate_up_proj``) and one streaming the
+        hub's per-expert names are two parameter layouts of one config: each has its live model; ``state_dict``
+        None reads back the one refitted last."""
         import json
 
-        key = json.dumps(config, sort_keys=True, default=str)
+        from fp8rl.reference import weight_sync as ws
+
         models = self._refit_live()
+        last: dict[str, str] = self.__dict__.setdefault("_refit_last_layout", {})
+        base = json.dumps(config, sort_keys=True, default=str)
+        if state_dict is None:
+            key = last.get(base, base)
+        else:
+            packed = any(ws.is_packed_experts(n, tuple(t.shape)) for n, t in dict(state_dict).items())
+            key = last[base] = base + ("|packed-experts" if packed else "")
         live = models.get(key)
         if state_dict is not None:
             synced = self.weight_sync(state_dict)

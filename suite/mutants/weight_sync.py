@@ -84,6 +84,60 @@ class SharedExpertSkipped(ReferenceEngine):
                                 r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"))
 
 
+# ---- architecture families beyond Qwen (fixtures.FAMILY_MODELS) ----------------------------------------------------
+
+@mutant("wsync-mla-skipped", "weight sync's name filter knows the GQA projections only (q/k/v/o_proj): DeepSeek's "
+        "MLA projections q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj ship in BF16 and the rollout runs "
+        "them unquantized", kills=("WSYNC-EXACT-001", "WSYNC-NAMES-001"))
+class MLASkipped(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(include=tuple(p for p in r.include if "kv_b_proj" not in p))
+
+
+@mutant("wsync-packed-experts-skipped", "weight sync's name filter takes '.weight' parameters only: the MoE experts "
+        "a transformers-5 trainer holds packed (mlp.experts.gate_up_proj / down_proj, no '.weight' suffix) ship in "
+        "BF16", kills=("WSYNC-EXACT-001", "WSYNC-NAMES-001"))
+class PackedExpertsSkipped(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(include=tuple(p for p in r.include if not p.endswith("down_proj)$")))
+
+
+@mutant("wsync-packed-experts-flattened", "weight sync quantizes a packed (E, N, K) expert tensor as one 2-D "
+        "(E*N, K) matrix: 128-row blocks straddle two experts where N is not a multiple of 128, and the scales come "
+        "out (ceil(E*N/128), ceil(K/128)) instead of one grid per expert",
+        kills=("WSYNC-BOUND-001", "WSYNC-EXACT-001", "WSYNC-NAMES-001"))
+class PackedExpertsFlattened(ReferenceEngine):
+    def weight_sync(self, state_dict):
+        from fp8rl.reference import weight_sync as ws
+
+        flat = {k: v.reshape(-1, v.shape[-1]) if ws.is_packed_experts(k, tuple(v.shape)) else v
+                for k, v in state_dict.items()}
+        r = self._weight_sync_recipe()
+        out = ws.quantize_state_dict(flat, r.with_(include=r.include + (ws.PACKED_EXPERTS,)))
+        return {k: v.reshape(state_dict[k].shape) if k in state_dict and v.shape != state_dict[k].shape else v
+                for k, v in out.items()}
+
+
+@mutant("wsync-vision-quantized", "weight sync's name filter matches projection names anywhere: a multimodal "
+        "model's vision tower (model.visual.blocks.*.mlp.gate_proj/up_proj/down_proj) is quantized too (it must "
+        "stay BF16)", kills=("WSYNC-EXCL-001", "WSYNC-NAMES-001"))
+class VisionQuantized(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(exclude=tuple(p for p in r.exclude if "visual" not in p))
+
+
+@mutant("wsync-anchored-filter", "weight sync's name filter is anchored at the text model's module path "
+        "(^model\\.layers\\.): a multimodal wrapper's language model under model.language_model.layers. ships "
+        "entirely in BF16", kills=("WSYNC-EXACT-001", "WSYNC-NAMES-001"))
+class AnchoredFilter(ReferenceEngine):
+    def _weight_sync_recipe(self):
+        r = super()._weight_sync_recipe()
+        return r.with_(include=tuple(r"^model\.layers\.\d+.*" + p for p in r.include))
+
+
 # ---- microscaling recipes (fp8rl.reference.mx_weight_sync) ----------------------------------------------------------
 
 def _mx_sync(engine: ReferenceEngine, state_dict, recipe: str, **recipe_changes):

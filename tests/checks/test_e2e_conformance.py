@@ -147,15 +147,18 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(reference_ci_run
     returncode, stdout, out = reference_ci_run  # the whole reference run at --profile ci (tests/conftest.py)
     assert returncode == 0, stdout[-3000:]
     rep = _report(out / "report.json")
+    # weight_sync: 7 checks (5 state-dict, 2 refit) x the 8 weight-sync fixtures (4 Qwen + 4 other families),
+    # 3 microscaling checks x 4 Qwen fixtures x 2 recipes; e2e: 6 checks per (model, recipe) case
+    # (16: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each variant) + the
+    # GoF check per model
+    from fp8rl import fixtures
     from fp8rl.conformance import _e2e as E
+    from fp8rl.reference import mx_weight_sync
 
-    # weight_sync: 7 checks x 4 fixtures (5 state-dict checks, 2 refit checks) + 3 microscaling checks x 4 fixtures
-    # x 2 recipes; e2e: 6 checks per (model,
-    # recipe) case (16: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each
-    # variant) + the GoF check per model
-    assert len(E.CASES) == 16
+    assert len(E.CASES) == 16 and len(fixtures.SYNC_MODELS) == 8 and len(fixtures.TINY_MODELS) == 4
+    assert len(mx_weight_sync.MX_SYNC_RECIPES) == 2
     outcomes = Counter(c["outcome"] for c in rep["checks"] if c["area"] in ("weight_sync", "e2e"))
-    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 7 * 4 + 3 * 4 * 2 + 6 * 16 + 4}
+    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 7 * 8 + 3 * 4 * 2 + 6 * 16 + 4}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]
     assert [(row[0], row[1]) for row in rows] == list(E.CASES)
