@@ -118,6 +118,13 @@ class CompressedTensorsEngine(Engine):
         caps.update(dict.fromkeys(capabilities.keys(prefix="mx_"),
                                   "compressed-tensors' microscaling recipes: engine compressed-tensors-mx"))
         caps["weight_sync"] = True
+        # the adapter picks the quantized names with fp8rl's filter (compressed-tensors selects nn.Linear modules, a
+        # state dict has none): what each family exercises here is compressed-tensors' quantizer and compressor
+        caps.update(dict.fromkeys(("weight_sync.llama", "weight_sync.mla", "weight_sync.multimodal"), True))
+        caps["weight_sync.fused-experts"] = (
+            "compressed-tensors quantizes nn.Linear weights (targets ['Linear']); its BLOCK strategy takes 2-D weights: "
+            "a packed (E, N, K) expert tensor raises RuntimeError \"shape '[0, 128, 2, 128]' is invalid\" in its "
+            "block reshape (0.17.0; measured on tiny-qwen3-moe-fused, packed experts must be unfused first)")
         caps["checkpoint.write"] = True
         caps["checkpoint.write_channel"] = True
         caps["checkpoint.load"] = ("compressed-tensors loads only its own format (ModelCompressor.decompress_model "

