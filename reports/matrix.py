@@ -147,4 +147,58 @@ def write(m: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     return j, h
 
 
-__all__ = ["LABEL", "SCHEMA", "load", "summary_lines", "to_html", "validate", "write"]
+def findings_by_version(matrices: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One JSON over many matrices (``(name, matrix)``): per library, its versions and each finding's outcome per
+    version with its first bad / first fixed release, the cells' statuses, and where the matrix came from."""
+    libs = []
+    for name, m in matrices:
+        libs.append({
+            "name": name, "tier": m["tier"], "package": m["package"], "locked_version": m.get("locked_version", ""),
+            "created": m["created"], "mode": m["mode"], "versions": m["versions"],
+            "cells": {c["version"]: c["status"] for c in m["cells"]},
+            "findings": [{"key": r["key"], "outcomes": {v: r["cells"][v]["outcome"] for v in m["versions"]},
+                          "first_bad": r["first_bad"], "first_fixed": r["first_fixed"],
+                          "first_bad_note": r.get("first_bad_note", ""), "first_fixed_note": r.get("first_fixed_note", ""),
+                          "monotone": r["monotone"]} for r in m["rows"]],
+            "changes": [r["key"] for r in m["rows"] if r["first_fixed"] or (r["first_bad"] and r["first_bad"] != m["versions"][0])],
+        })
+    return {"kind": "fp8rl-findings-by-version", "format": 1, "libraries": libs}
+
+
+def index_html(matrices: list[tuple[str, dict[str, Any]]], links: dict[str, str] | None = None) -> str:
+    """The "findings by version" page: per library a compact heat map (findings × versions) with first bad / first
+    fixed, linking each library's full matrix page (``links``: name → relative href)."""
+    e = html.escape
+    P = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+         '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'">',
+         f"<title>fp8rl: findings by version</title><style>{_CSS}</style></head><body>",
+         "<h1>Findings by upstream version</h1>",
+         "<p>Each table is one <code>fp8rl matrix</code> run: a library's releases as columns (each installed in its "
+         "tier's lock with that version alone changed), the tier's findings as rows. Rows that change class across "
+         "the versions are the ones to read: a finding introduced or fixed, with the release that did it.</p>",
+         "<p class='legend'>" + "".join(f"<span class='{o}'>{e(LABEL[o])} {o.replace('_', ' ')}</span>" for o in LABEL)
+         + "</p>"]
+    for name, m in matrices:
+        vs = m["versions"]
+        href = (links or {}).get(name)
+        head = f"{e(m['package'])} (tier {e(m['tier'])}{', locked ' + e(m['locked_version']) if m.get('locked_version') else ''})"
+        P.append(f"<h2 id='{e(name)}'>{head}" + (f" <small><a href='{e(href)}'>full matrix</a></small>" if href else "")
+                 + "</h2>")
+        changed = [r for r in m["rows"] if r["first_fixed"] or (r["first_bad"] and r["first_bad"] != vs[0])]
+        P.append(f"<p>{len(m['rows'])} findings, {len(changed)} changing across {vs[0]} … {vs[-1]}; "
+                 f"{m['bisection']['cells_run']} of {len(vs)} versions run ({e(m['mode'])}, {e(m['created'])}).</p>")
+        P.append("<table><thead><tr><th>finding</th>" + "".join(f"<th>{e(v)}</th>" for v in vs)
+                 + "<th>first bad</th><th>first fixed</th></tr></thead><tbody>")
+        for r in sorted(m["rows"], key=lambda r: (r not in changed, r["key"])):
+            P.append(f"<tr><th class='row'>{e(r['key'])}</th>" + "".join(_td(r["cells"][v]) for v in vs)
+                     + f"<td class='fix'>{e(r.get('first_bad_note') or str(r['first_bad']))}</td>"
+                     f"<td class='fix'>{e(r.get('first_fixed_note') or '—')}</td></tr>")
+        o = m["other"]
+        P.append(f"<tr><th class='row'><i>{e(o['key'])}</i></th>" + "".join(_td(o["cells"][v]) for v in vs)
+                 + "<td></td><td></td></tr></tbody></table>")
+    P.append("</body></html>")
+    return "\n".join(P) + "\n"
+
+
+__all__ = ["LABEL", "SCHEMA", "findings_by_version", "index_html", "load", "summary_lines", "to_html", "validate",
+           "write"]

@@ -132,11 +132,28 @@ def pypi_releases(package: str, index: str = "https://pypi.org/pypi", timeout: f
 
 
 def parse_versions(spec: str, releases: Callable[[], Sequence[str]]) -> list[str]:
-    """``--versions``: ``A,B,C`` (those, oldest first) or ``A..B`` (every release from ``releases()`` with
-    A <= version <= B; ``0.14`` equals ``0.14.0``)."""
+    """``--versions``: ``A,B,C`` (those, oldest first), ``A..B`` (every release from ``releases()`` with
+    A <= version <= B; ``0.14`` equals ``0.14.0``), ``A..`` (A to the newest release) or ``last:N`` (the N newest
+    releases): the nightly's forms, which follow upstream as it releases."""
     spec = spec.strip()
+    if spec.startswith("last:"):
+        try:
+            n = int(spec[5:])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise MatrixError(f"--versions {spec}: expected last:N with N >= 1")
+        got = sorted(releases(), key=_version)
+        if not got:
+            raise MatrixError(f"--versions {spec}: no release")
+        return got[-n:]
     if ".." in spec:
         lo_s, _, hi_s = spec.partition("..")
+        if not hi_s.strip():  # A..: to the newest release
+            newest = max(releases(), key=_version, default=None)
+            if newest is None:
+                raise MatrixError(f"--versions {spec}: no release")
+            hi_s = newest
         lo, hi = _version(lo_s.strip()), _version(hi_s.strip())
         if lo > hi:
             raise MatrixError(f"--versions {spec}: expected A..B with A <= B")
@@ -323,10 +340,18 @@ _JUDGED = ("AssertionError", "Failed")
 _RAISED = re.compile(r"\s*([\w.]*(?:Error|Exception|Exit))\b")
 
 
+def _names_exception(reason: str, exc: str) -> bool:
+    """Whether a vendor xfail's reason names the exception ``exc`` (its class name, e.g. ``RuntimeError``) as the
+    finding."""
+    return re.search(rf"\b{re.escape(exc)}\b", reason) is not None
+
+
 def cases_of(report: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
     """Each case of a report as the matrix shows it. A vendor xfail catches whatever the check raised: an xfailed
-    case whose failure is an exception other than a check's assertion (e.g. an older release's API missing what
-    the adapter calls) is ``crashed`` here, not the known finding."""
+    case whose failure is an exception other than a check's assertion is the known finding only when the vendor
+    entry's reason names that exception (the finding *is* the upstream code raising it, e.g. "from_pretrained
+    raises RuntimeError"); any other exception (e.g. an older release's API missing what the adapter calls) is
+    ``crashed`` here, not the known finding."""
     from fp8rl.reports.merge import _one_line
     from fp8rl.repro import case_label
 
@@ -335,10 +360,15 @@ def cases_of(report: dict[str, Any], prefix: str) -> dict[str, dict[str, str]]:
         outcome = _CASE_OUTCOME.get(c["outcome"], "crashed")
         message = str(c.get("message") or "")
         if c["outcome"] == "xfailed" and "\n" in message:
-            m = _RAISED.match(message.split("\n", 1)[1])
-            if m and m.group(1).rsplit(".", 1)[-1] not in _JUDGED:
+            reason, raised = message.split("\n", 1)
+            m = _RAISED.match(raised)
+            exc = m.group(1).rsplit(".", 1)[-1] if m else ""
+            # the adapters' GuardedEngine wraps what the engine raised: "EngineError: <op> raised ZeroDivisionError"
+            inner = re.search(r"EngineError: \S+ raised ([\w.]*(?:Error|Exception|Exit))\b", raised)
+            names = {exc} | ({inner.group(1).rsplit(".", 1)[-1]} if inner else set())
+            if m and exc not in _JUDGED and not any(_names_exception(reason, n) for n in names):
                 outcome = "crashed"
-                message = f"xfailed by {m.group(1)}, not by the check's judgement: {message.split(chr(10), 1)[1]}"
+                message = f"xfailed by {m.group(1)}, not by the check's judgement: {raised}"
         out[f"{prefix}{case_label(c)}"] = {"outcome": outcome, "message": _one_line(message, 300)}
     return out
 
@@ -899,7 +929,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "matrix by bisection (matrix.json, matrix.html)")
     m.add_argument("--tier", help="the engine tier (noxfile.py TIERS) whose lock and conformance runs a cell uses")
     m.add_argument("--package", help="the library whose versions are the columns (a package of the tier's lock)")
-    m.add_argument("--versions", help="A,B,C or A..B (every PyPI release in the range)")
+    m.add_argument("--versions", help="A,B,C, A..B (every PyPI release in the range), A.. (to the newest) or last:N "
+                   "(the N newest releases)")
     m.add_argument("--engine", action="append", default=[],
                    help="only the tier's runs of this engine (repeatable; default: the runs whose engine's library "
                         "is --package)")

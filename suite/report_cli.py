@@ -176,6 +176,43 @@ def cmd_findings(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_versions(args: argparse.Namespace) -> int:
+    """The "findings by version" page over matrices: index.html + findings-by-version.json, each matrix's own page
+    copied beside them."""
+    from pathlib import Path
+
+    from fp8rl.reports import matrix as R
+
+    matrices: list[tuple[str, dict]] = []
+    links: dict[str, str] = {}
+    out = Path(args.out)
+    try:
+        paths = [Path(p) / "matrix.json" if Path(p).is_dir() else Path(p) for p in args.matrices]
+        for p in paths:
+            m = R.load(p)
+            name = p.parent.name if p.name == "matrix.json" else p.stem
+            if name in links:
+                name = f"{name}-{len(links)}"
+            matrices.append((name, m))
+            links[name] = f"{name}.html"
+    except (OSError, ValueError) as exc:
+        print(f"fp8rl report versions: {exc}")
+        return EXIT_USAGE
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, m in matrices:
+            (out / links[name]).write_text(R.to_html(m))
+        (out / "index.html").write_text(R.index_html(matrices, links))
+        (out / "findings-by-version.json").write_text(json.dumps(R.findings_by_version(matrices), indent=2) + "\n")
+    except OSError as exc:
+        print(f"fp8rl report versions: --out {args.out}: {exc}")
+        return EXIT_USAGE
+    changes = sum(len(lib["changes"]) for lib in R.findings_by_version(matrices)["libraries"])
+    print(f"{len(matrices)} matrices, {changes} findings that change across versions; written: {out / 'index.html'}, "
+          f"{out / 'findings-by-version.json'}")
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("report", help="compare report.json files of earlier runs")
     rsub = r.add_subparsers(dest="report_command", required=True)
@@ -211,3 +248,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also list every entry of every vendor xfails file fp8rl ships (no report needed)")
     f.add_argument("--out", default="fp8rl-findings", help="directory for findings.md / findings.html")
     f.set_defaults(func=cmd_findings)
+    v = rsub.add_parser("versions", help="the 'findings by version' page over fp8rl matrix runs: index.html (a heat "
+                                         "map per library) and findings-by-version.json")
+    v.add_argument("matrices", nargs="+", help="matrix.json files or the folders holding them")
+    v.add_argument("--out", default="fp8rl-versions", help="directory for index.html / findings-by-version.json")
+    v.set_defaults(func=cmd_versions)

@@ -227,6 +227,32 @@ def test_the_matrix_goes_on_past_bad_cells_and_names_first_bad_and_first_fixed(f
     assert m["bisection"]["non_monotone"] == [] and m["bisection"]["cells_run"] == 5
 
 
+def test_report_versions_page_puts_changing_findings_first_exact(fake, tmp_path):
+    """`fp8rl report versions`: one page and one JSON over matrices, a finding fixed inside the range listed (first
+    fixed 1.4) and the stored matrices readable beside it."""
+    from fp8rl.cli import main
+
+    table = {"1.3": {"Q-1[a]": "passed", "Q-2": "xfailed"}, "1.4": {"Q-1[a]": "passed", "Q-2": "passed"},
+             "1.5": {"Q-1[a]": "passed", "Q-2": "passed"}}
+    cmd = fake(table)
+    versions = list(table)
+    meta = {"tier": "t", "package": "fakepkg", "runs": [], "cell_command": cmd, "mode": "all", "executor": "test",
+            "created": "2026-12-05T00:00:00+00:00", "locked_version": "1.5"}
+    m = MX.run_matrix(meta, versions, lambda i: _spec(i, versions[i], tmp_path, cmd), MX.local_executor(2), run_all=True)
+    R.write(m, tmp_path / "fake")
+    stored = sorted((Path(MX.__file__).parent / "data").glob("matrix-*.json"))
+    assert stored
+    assert main(["report", "versions", str(tmp_path / "fake"), *map(str, stored), "--out", str(tmp_path / "v")]) == 0
+    doc = json.loads((tmp_path / "v" / "findings-by-version.json").read_text())
+    libs = {lib["name"]: lib for lib in doc["libraries"]}
+    assert libs["fake"]["changes"] == ["Q-2"] and libs["fake"]["findings"][0]["first_fixed"] == "1.4"
+    assert libs["fake"]["findings"][0]["outcomes"] == {"1.3": "xfailed", "1.4": "passed", "1.5": "passed"}
+    assert len(libs) == 1 + len(stored)
+    page = (tmp_path / "v" / "index.html").read_text()
+    assert page.count("<table>") == len(libs) and "href='fake.html'" in page and (tmp_path / "v" / "fake.html").is_file()
+    assert main(["report", "versions", str(tmp_path / "nowhere"), "--out", str(tmp_path / "w")]) == 2
+
+
 def test_an_xfail_caught_exception_is_a_crash_not_the_finding():
     rep = {"checks": [
         {"id": "Q-1", "case": "a", "outcome": "xfailed", "message": "vendor xfail: r\nAssertionError: 3 codes differ"},
@@ -237,6 +263,24 @@ def test_an_xfail_caught_exception_is_a_crash_not_the_finding():
     got = {k: v["outcome"] for k, v in MX.cases_of(rep, "").items()}
     assert got == {"Q-1[a]": "xfailed", "Q-1[b]": "crashed", "Q-1[c]": "xfailed", "Q-1[d]": "crashed"}
     assert MX.cases_of(rep, "")["Q-1[b]"]["message"].startswith("xfailed by TypeError, not by the check's")
+
+
+def test_an_xfail_whose_entry_names_the_exception_is_the_finding():
+    """A finding that *is* an exception (upstream raises) is named in its vendor entry: the same exception is the
+    known finding (xfailed); another exception in another release is a crash, also when GuardedEngine wrapped it."""
+    rep = {"checks": [
+        {"id": "Q-2", "case": "a", "outcome": "xfailed",
+         "message": "vendor xfail: from_pretrained raises RuntimeError before any forward\n"
+                    "fp8rl.engine.EngineError: e.checkpoint_score raised RuntimeError: not divisible"},
+        {"id": "Q-2", "case": "b", "outcome": "xfailed",
+         "message": "vendor xfail: from_pretrained raises RuntimeError before any forward\n"
+                    "fp8rl.engine.EngineError: e.checkpoint_score raised AttributeError: no attribute 'x'"},
+        {"id": "Q-2", "case": "c", "outcome": "xfailed",
+         "message": "vendor xfail: ZeroDivisionError when every weight is masked\nZeroDivisionError: float division"},
+        {"id": "Q-2", "case": "d", "outcome": "xfailed",
+         "message": "vendor xfail: a RuntimeErrorish word is not the name\nRuntimeError: boom"}]}
+    got = {k: v["outcome"] for k, v in MX.cases_of(rep, "").items()}
+    assert got == {"Q-2[a]": "xfailed", "Q-2[b]": "crashed", "Q-2[c]": "xfailed", "Q-2[d]": "crashed"}
 
 
 def test_cells_of_a_round_run_in_parallel(fake, tmp_path):
@@ -297,8 +341,12 @@ def test_versions_list_and_range():
     assert MX.parse_versions("0.14..0.20.1", lambda: releases) == ["0.14.0", "0.14.0.1", "0.15.0", "0.20.1"]
     assert MX.parse_versions("0.20.1, 0.13.0", lambda: pytest.fail("a list needs no release list")) == \
         ["0.13.0", "0.20.1"]
+    assert MX.parse_versions("0.15..", lambda: releases) == ["0.15.0", "0.20.1", "0.21.0"]
+    assert MX.parse_versions("last:2", lambda: list(reversed(releases))) == ["0.20.1", "0.21.0"]
+    assert MX.parse_versions("last:9", lambda: releases) == sorted(releases, key=MX._version)
     for bad, msg in (("0.2..0.1", "A <= B"), ("x.y", "not a version"), ("1.0,1.0", "listed twice"),
-                     ("5..6", "no release in that range"), (",", "expected A,B,C")):
+                     ("5..6", "no release in that range"), (",", "expected A,B,C"), ("last:0", "N >= 1"),
+                     ("last:x", "N >= 1"), ("1.0..", "A <= B")):
         with pytest.raises(MX.MatrixError, match=msg):
             MX.parse_versions(bad, lambda: releases)
 
