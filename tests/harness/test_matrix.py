@@ -428,6 +428,22 @@ def test_findings_of_the_packaged_compressed_tensors_matrix_at_the_locked_versio
             "WSYNC-BOUND-001[tiny-qwen3]"} <= has
 
 
+def test_findings_of_the_packaged_transformers_matrix_across_the_fix(capsys):
+    """The stored transformers matrix (hf-fp8, checkpoint area, bisected over 5.20.2..5.25.0): the compressed-tensors
+    channel checkpoint loader kept 14 stale weight_scale parameters up to 5.22.2 and is fixed in 5.23.0, so 5.22.2
+    has the finding, 5.24.0 (the lock) does not, and 5.22.0 (not run) has it by inference between 5.21.1 and 5.22.1."""
+    (path,) = [p for p in MX._packaged_matrices() if p.name == "matrix-checkpoint-transformers.json"]
+    m = R.load(path)
+    row = {r["key"]: r for r in m["rows"]}["CKPT-LOAD-001[compressed-tensors-channel:tiny-qwen3]"]
+    assert row["first_fixed"] == "5.23.0" and row["cells"]["5.22.2"]["outcome"] == "failed"
+    key = "CKPT-LOAD-001[compressed-tensors-channel:tiny-qwen3]"
+    for version, has in (("5.22.2", True), ("5.22.0", True), ("5.24.0", False)):
+        assert main(["findings", "--engine", "hf-fp8", "--version", version, "--matrix", str(path), "--json"]) == 0
+        answers = json.loads(capsys.readouterr().out)
+        (f,) = [f for a in answers for f in a["findings"] if f["finding"] == key]
+        assert f["has"] is has, (version, f)
+
+
 def test_findings_defaults_to_the_installed_version(tmp_path, capsys):
     from importlib.metadata import version
 
