@@ -64,9 +64,24 @@ def test_capabilities_and_declared_policy_exact(engine):
     caps = engine.capabilities()
     on = sorted(k for k, v in caps.items() if v is True)
     assert on == sorted(["quantize.tensor", "quantize.channel", "quantize.group", "quantize.block",
-                         "quantize_nonfinite", "weight_sync", "checkpoint.write", "checkpoint.write_channel"])
+                         "quantize_nonfinite", "weight_sync", "weight_sync.llama", "weight_sync.mla",
+                         "weight_sync.multimodal", "checkpoint.write", "checkpoint.write_channel"])
+    # packed experts: compressed-tensors' BLOCK strategy reshapes a 3-D weight as 2-D (docs/weight-sync-families.md §3)
+    assert "RuntimeError" in caps["weight_sync.fused-experts"] and "shape" in caps["weight_sync.fused-experts"]
     assert all(isinstance(v, str) and v for v in caps.values() if v is not True)
     assert {engine.scale_policy(k).name for k in KINDS} == {"compressed_tensors_fp8"}
+
+
+@CT
+def test_block_strategy_refuses_packed_experts_with_a_reshape_error(engine):
+    """The evidence behind the adapter's weight_sync.fused-experts reason: a packed (E, N, K) expert tensor through
+    compressed-tensors' BLOCK quantizer fails in its block reshape (rows taken from dim 0: E // 128 = 0 blocks)."""
+    from fp8rl import fixtures
+
+    sd = fixtures.tiny_model("tiny-qwen3-moe-fused").state_dict
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(RuntimeError, match=r"shape '\[0, 128, 2, 128\]' is invalid"):
+        engine.weight_sync({name: sd[name]})
 
 
 @CT
