@@ -60,8 +60,13 @@ def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
     return ws.quantize_state_dict(fixtures.tiny_model(model).state_dict, ws.WeightSyncRecipe(policy=policy))
 
 
-def _synced(engine, model: str) -> dict[str, torch.Tensor]:
+def _require_families(engine, model: str) -> None:
+    """Skip unless the engine declares ``weight_sync.<family>`` for every family of the fixture (none for Qwen's)."""
     require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
+
+
+def _synced(engine, model: str) -> dict[str, torch.Tensor]:
+    _require_families(engine, model)
     return engine.weight_sync(fixtures.tiny_model(model).state_dict)  # validated by GuardedEngine
 
 
@@ -191,7 +196,7 @@ def _diff_synced(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
        "shapes, FP8 codes, scales and the BF16 tensors kept as they are), so the rollout runs the policy the "
        "trainer's BF16 forward computes.", requires=["weight_sync"])
 def test_weight_sync_fp32_master_exact(engine, model):
-    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
+    _require_families(engine, model)
     master = fixtures.master_state_dict(model)
     got = engine.weight_sync({k: v.clone() for k, v in master.items()})
     want = engine.weight_sync({k: v.to(torch.bfloat16) for k, v in master.items()})
@@ -335,7 +340,7 @@ def _refit_problems(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
        "shared-expert gate stay BF16), none stale, none silently cast, none missing, none extra.",
        requires=["weight_sync.refit"])
 def test_refit_steps_exact(engine, model):
-    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
+    _require_families(engine, model)
     config = fixtures.tiny_model(model).config
     recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
     before = None
@@ -357,7 +362,7 @@ def test_refit_steps_exact(engine, model):
 def test_refit_failure_atomic_exact(engine, model):
     from fp8rl.engine import EngineError
 
-    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
+    _require_families(engine, model)
     config = fixtures.tiny_model(model).config
     recipe = ws.WeightSyncRecipe(policy=engine.scale_policy("block"))
     prev = _step_state_dict(model, 0)

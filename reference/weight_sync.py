@@ -52,15 +52,15 @@ __all__ = [
 
 #: suffix of the fp32 dequant scale stored next to each FP8 weight (``q_proj.weight`` → ``q_proj.weight_scale_inv``)
 SCALE_SUFFIX = "_scale_inv"
+#: the 3-D packed expert tensors (E, N, K) quantized expert by expert (transformers 5's fused MoE layout)
+PACKED_EXPERTS = r"\.experts\.(gate_up_proj|down_proj)$"
 #: names whose 2-D ``.weight`` is quantized: attention (GQA and MLA) and MLP projections, dense, per expert, or the
 #: 3-D packed experts (:data:`PACKED_EXPERTS`)
 DEFAULT_INCLUDE: tuple[str, ...] = (
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$",
     r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$",
-    r"\.experts\.(gate_up_proj|down_proj)$",
+    PACKED_EXPERTS,
 )
-#: the 3-D packed expert tensors (E, N, K) quantized expert by expert (transformers 5's fused MoE layout)
-PACKED_EXPERTS = r"\.experts\.(gate_up_proj|down_proj)$"
 #: names that stay BF16 whatever ``include`` says: embeddings, lm_head, every norm, the MoE router (and a shared-
 #: expert gate, which the name-based SGLang filter would otherwise catch through its broad "mlp" include)
 DEFAULT_EXCLUDE: tuple[str, ...] = (

@@ -147,6 +147,12 @@ def write(m: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     return j, h
 
 
+def changing_rows(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of ``m`` whose finding changes class inside its versions: fixed at some version, or first bad at a
+    version after the oldest."""
+    return [r for r in m["rows"] if r["first_fixed"] or (r["first_bad"] and r["first_bad"] != m["versions"][0])]
+
+
 def findings_by_version(matrices: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """One JSON over many matrices (``(name, matrix)``): per library, its versions and each finding's outcome per
     version with its first bad / first fixed release, the cells' statuses, and where the matrix came from."""
@@ -160,7 +166,7 @@ def findings_by_version(matrices: list[tuple[str, dict[str, Any]]]) -> dict[str,
                           "first_bad": r["first_bad"], "first_fixed": r["first_fixed"],
                           "first_bad_note": r.get("first_bad_note", ""), "first_fixed_note": r.get("first_fixed_note", ""),
                           "monotone": r["monotone"]} for r in m["rows"]],
-            "changes": [r["key"] for r in m["rows"] if r["first_fixed"] or (r["first_bad"] and r["first_bad"] != m["versions"][0])],
+            "changes": [r["key"] for r in changing_rows(m)],
         })
     return {"kind": "fp8rl-findings-by-version", "format": 1, "libraries": libs}
 
@@ -184,7 +190,7 @@ def index_html(matrices: list[tuple[str, dict[str, Any]]], links: dict[str, str]
         head = f"{e(m['package'])} (tier {e(m['tier'])}{', locked ' + e(m['locked_version']) if m.get('locked_version') else ''})"
         P.append(f"<h2 id='{e(name)}'>{head}" + (f" <small><a href='{e(href)}'>full matrix</a></small>" if href else "")
                  + "</h2>")
-        changed = [r for r in m["rows"] if r["first_fixed"] or (r["first_bad"] and r["first_bad"] != vs[0])]
+        changed = changing_rows(m)
         P.append(f"<p>{len(m['rows'])} findings, {len(changed)} changing across {vs[0]} … {vs[-1]}; "
                  f"{m['bisection']['cells_run']} of {len(vs)} versions run ({e(m['mode'])}, {e(m['created'])}).</p>")
         P.append("<table><thead><tr><th>finding</th>" + "".join(f"<th>{e(v)}</th>" for v in vs)
@@ -200,5 +206,5 @@ def index_html(matrices: list[tuple[str, dict[str, Any]]], links: dict[str, str]
     return "\n".join(P) + "\n"
 
 
-__all__ = ["LABEL", "SCHEMA", "findings_by_version", "index_html", "load", "summary_lines", "to_html", "validate",
+__all__ = ["LABEL", "SCHEMA", "changing_rows", "findings_by_version", "index_html", "load", "summary_lines", "to_html", "validate",
            "write"]

@@ -41,6 +41,8 @@ WSYNC_FAMILY_NOTES: dict[str, str] = {
     "multimodal": "multimodal wrapper: language model under model.language_model., vision tower model.visual. "
                   "kept BF16 (tiny-qwen2.5-vl)",
 }
+#: the capability keys of those families, ``weight_sync.<family>``
+WSYNC_FAMILY_KEYS: tuple[str, ...] = tuple(f"weight_sync.{fam}" for fam in WSYNC_FAMILIES)
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
 _ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy",
@@ -107,9 +109,9 @@ def _table() -> dict[str, Capability]:
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),
     ]
-    for fam in WSYNC_FAMILIES:
+    for fam, key in zip(WSYNC_FAMILIES, WSYNC_FAMILY_KEYS):
         what = WSYNC_FAMILY_NOTES[fam]
-        rows.append(Capability(f"weight_sync.{fam}", "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
+        rows.append(Capability(key, "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
                                f"weight_sync of the {what} fixtures (fp8rl.fixtures.WSYNC_FAMILIES)"))
     rows += [
         Capability("checkpoint.write", "checkpoint", ("checkpoint_write", "scale_policy"),

@@ -149,15 +149,16 @@ def parse_versions(spec: str, releases: Callable[[], Sequence[str]]) -> list[str
         return got[-n:]
     if ".." in spec:
         lo_s, _, hi_s = spec.partition("..")
+        known: Sequence[str] | None = None  # PyPI is read once, and only when needed
         if not hi_s.strip():  # A..: to the newest release
-            newest = max(releases(), key=_version, default=None)
-            if newest is None:
+            known = releases()
+            if not known:
                 raise MatrixError(f"--versions {spec}: no release")
-            hi_s = newest
+            hi_s = max(known, key=_version)
         lo, hi = _version(lo_s.strip()), _version(hi_s.strip())
         if lo > hi:
             raise MatrixError(f"--versions {spec}: expected A..B with A <= B")
-        got = [v for v in releases() if lo <= _version(v) <= hi]
+        got = [v for v in (releases() if known is None else known) if lo <= _version(v) <= hi]
         if not got:
             raise MatrixError(f"--versions {spec}: no release in that range")
         return sorted(got, key=_version)

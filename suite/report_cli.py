@@ -198,16 +198,17 @@ def cmd_versions(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"fp8rl report versions: {exc}")
         return EXIT_USAGE
+    doc = R.findings_by_version(matrices)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, m in matrices:
             (out / links[name]).write_text(R.to_html(m))
         (out / "index.html").write_text(R.index_html(matrices, links))
-        (out / "findings-by-version.json").write_text(json.dumps(R.findings_by_version(matrices), indent=2) + "\n")
+        (out / "findings-by-version.json").write_text(json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         print(f"fp8rl report versions: --out {args.out}: {exc}")
         return EXIT_USAGE
-    changes = sum(len(lib["changes"]) for lib in R.findings_by_version(matrices)["libraries"])
+    changes = sum(len(lib["changes"]) for lib in doc["libraries"])
     print(f"{len(matrices)} matrices, {changes} findings that change across versions; written: {out / 'index.html'}, "
           f"{out / 'findings-by-version.json'}")
     return EXIT_OK

@@ -59,8 +59,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from fp8rl.capabilities import WSYNC_FAMILY_KEYS
 from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported, import_failure
-from fp8rl.fixtures import WSYNC_FAMILIES
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"verl not installed: pip install --no-deps verl=={VERL_VERSION} plus fp8rl's 'verl' extra (ray, "
@@ -288,14 +288,13 @@ class VerlEngine(Engine):
         if self._mods is None:
             return {k: self._reason or INSTALL_HINT for k in ("rollout_correction", "rollout_correction.geometric",
                                                               "rollout_correction.veto", "rollout_correction.loss",
-                                                              "weight_sync", *(f"weight_sync.{fam}" for fam in
-                                                                               WSYNC_FAMILIES))}
+                                                              "weight_sync", *WSYNC_FAMILY_KEYS)}
         sync = True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT)
         return {
             "weight_sync": sync,
             # veRL's filter is name-based (FP8QuantizerHelper.should_quantize_param): it runs on any architecture's
             # names; what it makes of each family is the checks' verdict (conformance/vendors/verl.xfails)
-            **{f"weight_sync.{fam}": sync for fam in WSYNC_FAMILIES},
+            **dict.fromkeys(WSYNC_FAMILY_KEYS, sync),
             "rollout_correction": True,
             "rollout_correction.geometric": "veRL's rollout_is accepts only 'token' and 'sequence' (geometric IS "
                                             "existed in the Oct-2025 mismatch_helper; geometric RS is seq_mean_k1)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fp8rl.capabilities import WSYNC_FAMILY_KEYS
 from fp8rl.engine import QUANT_KINDS, CapabilityMap, Engine, Unsupported
 from fp8rl.engines.verl import (
     INSTALL_HINT,
@@ -18,7 +19,6 @@ from fp8rl.engines.verl import (
     _triton_dispatch,
     _weight_sync,
 )
-from fp8rl.fixtures import WSYNC_FAMILIES
 
 
 class VerlTritonEngine(Engine):
@@ -59,7 +59,7 @@ class VerlTritonEngine(Engine):
         return [first, TRITON_ARITH_NOTE]
 
     def capabilities(self) -> CapabilityMap:
-        keys = [f"quantize.{k}" for k in QUANT_KINDS] + ["weight_sync"] + [f"weight_sync.{f}" for f in WSYNC_FAMILIES]
+        keys = [f"quantize.{k}" for k in QUANT_KINDS] + ["weight_sync", *WSYNC_FAMILY_KEYS]
         corr = ["rollout_correction", "rollout_correction.geometric", "rollout_correction.veto",
                 "rollout_correction.loss"]
         if self._fk is None:
@@ -68,7 +68,7 @@ class VerlTritonEngine(Engine):
                                for k in ("tensor", "token", "channel", "group")}
         caps["quantize.block"] = True
         caps["weight_sync"] = True if self._fp8 is not None else (self._fp8_reason or INSTALL_HINT)
-        caps.update(dict.fromkeys((f"weight_sync.{f}" for f in WSYNC_FAMILIES), caps["weight_sync"]))  # name-based filter
+        caps.update(dict.fromkeys(WSYNC_FAMILY_KEYS, caps["weight_sync"]))  # a name-based filter: any family
         caps.update(dict.fromkeys(corr, "veRL's rollout correction is pure PyTorch (no Triton): engine verl"))
         return caps
 

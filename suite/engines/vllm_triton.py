@@ -38,8 +38,8 @@ import sys
 from typing import Any
 
 import torch
+from fp8rl.capabilities import WSYNC_FAMILY_KEYS
 from fp8rl.engine import ELEMENT_FORMATS, GEMM_KINDS, QUANT_KINDS, CapabilityMap, Engine, Unsupported
-from fp8rl.fixtures import WSYNC_FAMILIES
 from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import PRESETS
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -166,7 +166,7 @@ class VllmTritonEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         keys = [f"cast.{f}" for f in ELEMENT_FORMATS] + [f"quantize.{k}" for k in QUANT_KINDS]
         keys += [f"gemm.{k}" for k in GEMM_KINDS]
-        keys += [f"weight_sync.{f}" for f in WSYNC_FAMILIES]
+        keys += WSYNC_FAMILY_KEYS
         keys += ["kv.store", "kv.attention", "kv.calibrate", "kv.forward", "kv.update_scales", "weight_sync", "rollout",
                  "update_weights", "rollout.bf16", "rollout.fp8-linear", "rollout.fp8-linear-ptpc", "rollout.fp8-kv",
                  "rollout.fp8-all", "rollout.mxfp8", "rollout.nvfp4-experts"]

@@ -100,8 +100,10 @@ class MLASkipped(ReferenceEngine):
         "BF16", kills=("WSYNC-EXACT-001", "WSYNC-NAMES-001"))
 class PackedExpertsSkipped(ReferenceEngine):
     def _weight_sync_recipe(self):
+        from fp8rl.reference import weight_sync as ws
+
         r = super()._weight_sync_recipe()
-        return r.with_(include=tuple(p for p in r.include if not p.endswith("down_proj)$")))
+        return r.with_(include=tuple(p for p in r.include if p != ws.PACKED_EXPERTS))
 
 
 @mutant("wsync-packed-experts-flattened", "weight sync quantizes a packed (E, N, K) expert tensor as one 2-D "
@@ -114,8 +116,7 @@ class PackedExpertsFlattened(ReferenceEngine):
 
         flat = {k: v.reshape(-1, v.shape[-1]) if ws.is_packed_experts(k, tuple(v.shape)) else v
                 for k, v in state_dict.items()}
-        r = self._weight_sync_recipe()
-        out = ws.quantize_state_dict(flat, r.with_(include=r.include + (ws.PACKED_EXPERTS,)))
+        out = ws.quantize_state_dict(flat, self._weight_sync_recipe())  # a 2-D '.experts.gate_up_proj' still matches
         return {k: v.reshape(state_dict[k].shape) if k in state_dict and v.shape != state_dict[k].shape else v
                 for k, v in out.items()}
 
