@@ -69,6 +69,13 @@ class OpTrace:
         self._fd = os.open(trace_dir / f"{process}.op", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fault = (trace_dir / f"{process}.fault").open("w")
         faulthandler.enable(file=self._fault, all_threads=True)
+        self.trace_dir = trace_dir
+
+    def close(self) -> None:
+        """Stop writing here (a later run in the same process traces into its own directory)."""
+        faulthandler.disable()
+        os.close(self._fd)
+        self._fault.close()
 
     def enter(self, op: str, nodeid: str = "", test_start: float | None = None) -> None:
         data = json.dumps({"op": op, "nodeid": nodeid, "t": time.time(), "t_test": test_start}).encode()
@@ -84,10 +91,16 @@ _CURRENT_NODE: dict[str, Any] = {"nodeid": "", "t": None}
 
 
 def start_trace(process: str) -> None:
-    """Start this process's op trace if the run asked for one (``FP8RL_TRACE_DIR``)."""
+    """Start this process's op trace if the run asked for one (``FP8RL_TRACE_DIR``). A process that runs several
+    conformance runs in turn (``--no-isolation`` runs called in-process) traces each into its own run's directory:
+    the trace of an earlier run is closed, never reused (its breadcrumbs would describe the wrong run)."""
     d = os.environ.get(TRACE_ENV)
-    if d and "trace" not in _TRACE:
-        _TRACE["trace"] = OpTrace(Path(d), process)
+    old = _TRACE.get("trace")
+    if not d or (old is not None and old.trace_dir == Path(d)):
+        return
+    if old is not None:
+        old.close()
+    _TRACE["trace"] = OpTrace(Path(d), process)
 
 
 def set_current_node(nodeid: str) -> None:

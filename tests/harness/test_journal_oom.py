@@ -30,3 +30,28 @@ def test_fatal_signal_carries_no_oom_evidence(tmp_path, monkeypatch):
     monkeypatch.setattr(J, "oom_kills", lambda: 1)
     why = J.describe_death(tmp_path, "gw0")
     assert why.startswith("fatal signal: Segmentation fault") and "OOM killer killed" not in why
+
+
+def test_op_trace_follows_each_run_directory_exact(tmp_path, monkeypatch):
+    """A process that runs several conformance runs in turn (in-process ``--no-isolation`` runs) traces each run's
+    engine ops into that run's own directory: before, the first run's trace was kept for the life of the process,
+    so a later run's breadcrumbs (the op a dying check was in) landed in an earlier run's folder."""
+    import faulthandler
+
+    monkeypatch.setattr(J, "_TRACE", {})
+    was_enabled = faulthandler.is_enabled()
+    try:
+        for run in ("a", "b"):
+            monkeypatch.setenv(J.TRACE_ENV, str(tmp_path / run))
+            J.start_trace("main")
+            J.set_current_node(f"check-of-{run}")
+            J.enter_op("quantize")
+            assert (tmp_path / run / "main.op").read_text().count(f"check-of-{run}") == 1
+        J.leave_op()
+        assert "check-of-b" not in (tmp_path / "a" / "main.op").read_text()
+        J.start_trace("main")  # the same directory again: the trace is kept, not reopened
+        assert J._TRACE["trace"].trace_dir == tmp_path / "b"
+    finally:
+        J._TRACE["trace"].close()
+        if was_enabled:
+            faulthandler.enable()
