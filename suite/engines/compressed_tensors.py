@@ -1,6 +1,6 @@
 """compressed-tensors' FP8 float-quantized path behind the engine protocol (engine ``compressed-tensors``).
 
-compressed-tensors 0.17.0 (github.com/vllm-project/compressed-tensors, formerly neuralmagic/compressed-tensors) is
+compressed-tensors 0.20.1 (github.com/vllm-project/compressed-tensors, formerly neuralmagic/compressed-tensors) is
 the format llm-compressor writes and vLLM loads. The adapter calls the library's own functions, with these
 upstream paths (all under ``src/compressed_tensors/``):
 
@@ -52,7 +52,7 @@ from fp8rl.reference.policy import ScalePolicy
 from fp8rl.reference.presets import get_policy
 from fp8rl.reference.quant import Granularity, QuantizedTensor
 
-CT_VERSION = "0.17.0"
+CT_VERSION = "0.20.1"
 _HINT = "needs the conformance_checkpoint environment (nox -s conformance_checkpoint --install-only)"
 POLICY = "compressed_tensors_fp8"
 KINDS = ("tensor", "channel", "group", "block")
@@ -60,7 +60,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CompressedTensorsEngine(Engine):
-    """compressed-tensors 0.17.0's FP8 (float-quantized) quantizer, compressor and checkpoint writer (CPU)."""
+    """compressed-tensors 0.20.1's FP8 (float-quantized) quantizer, compressor and checkpoint writer (CPU)."""
 
     name = "compressed-tensors"
     description = (f"compressed-tensors {CT_VERSION}: calculate_qparams + quantize (tensor, channel, group, block), "
@@ -124,7 +124,7 @@ class CompressedTensorsEngine(Engine):
         caps["weight_sync.fused-experts"] = (
             "compressed-tensors quantizes nn.Linear weights (targets ['Linear']); its BLOCK strategy takes 2-D weights: "
             "a packed (E, N, K) expert tensor raises RuntimeError \"shape '[0, 128, 2, 128]' is invalid\" in its "
-            "block reshape (0.17.0; measured on tiny-qwen3-moe-fused, packed experts must be unfused first)")
+            "block reshape (0.17.0 and 0.20.1; measured on tiny-qwen3-moe-fused, packed experts must be unfused first)")
         caps["checkpoint.write"] = True
         caps["checkpoint.write_channel"] = True
         caps["checkpoint.load"] = ("compressed-tensors loads only its own format (ModelCompressor.decompress_model "

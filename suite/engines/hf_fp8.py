@@ -30,7 +30,7 @@ forward: the log-probs the trainer or reference model that loads the file would 
 Writing is not available: transformers quantizes to FP8 on load only with a GPU (``validate_environment`` raises
 "No GPU or XPU found" for a non-pre-quantized model), so it has no CPU FP8 writer. Needs ``accelerate`` (the FP8
 quantizer imports it): it runs in the ``checkpoint`` tier (``nox -s conformance_checkpoint``), whose environment has
-transformers 5.24.0, accelerate and compressed-tensors 0.17.0.
+transformers 5.24.0, accelerate and compressed-tensors 0.20.1.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``compressed-tensors`` engine (fp8rl.engines.compressed_tensors: compressed-tensors 0.17.0's FP8 float-quantized
+"""The ``compressed-tensors`` engine (fp8rl.engines.compressed_tensors: compressed-tensors 0.20.1's FP8 float-quantized
 path): behaviour when the package is blocked (any environment) and, in the ``conformance_checkpoint`` environment,
 executable evidence of every finding in conformance/vendors/compressed-tensors.xfails, the preset
 compressed_tensors_fp8 on hand-computed values, the dequantize / fake_quantize lifecycle, the weight sync and the
@@ -23,7 +23,7 @@ from fp8rl.vendor_files import parse_id_file
 from support import REPO_ROOT
 from support.upstream import pinned
 
-CT = pinned("compressed-tensors", "==0.17.0", "compressed-tensors 0.17.0's FP8 calculate_qparams, quantize "
+CT = pinned("compressed-tensors", ">=0.17.0,<=0.20.1", "compressed-tensors 0.17.0-0.20.1's FP8 calculate_qparams, quantize "
             "(zero point added before the cast), float-quantized compressor and ModelCompressor")
 XFAILS = REPO_ROOT / "conformance" / "vendors" / "compressed-tensors.xfails"
 KINDS = {"tensor": Granularity.tensor(), "channel": Granularity.channel(), "group": Granularity.group(128),
