@@ -25,6 +25,7 @@ compressed-tensors' names (what vLLM's compressed-tensors schemes load), bit-exa
 from __future__ import annotations
 
 import functools
+import gc
 import re
 
 import pytest
@@ -286,6 +287,8 @@ def test_mx_weight_sync_dequant_bound(engine, model, recipe):
 
 #: how many refits with changing weights each refit check performs
 REFIT_STEPS = 3
+#: refits of the memory check (WSYNC-REFIT-003): the first sets the baseline, each later one must add nothing
+REFIT_MEMORY_STEPS = 4
 
 
 @functools.lru_cache(maxsize=16)
@@ -386,3 +389,45 @@ def test_refit_failure_atomic_exact(engine, model):
     assert not bad, (f"{model}: after a refit that failed at {victim} (one row short), {len(bad)} parameters differ "
                      f"from the previous step's; {len(stepped)} hold the failed step's values (half-updated: "
                      f"{stepped[:4]}): " + "; ".join(bad[:4]))
+
+
+def _held_tensor_storage() -> tuple[int, int]:
+    """(bytes, count) of the distinct tensor storages alive in this process that Python reaches: every
+    ``torch.Tensor`` the garbage collector tracks (parameters, buffers, module attributes, caches of any library),
+    each storage counted once, meta tensors excluded. Tensors held only by C++ code are not seen."""
+    gc.collect()
+    seen: dict[tuple[int, int], int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no __class__ lookups on proxies
+            continue
+        try:
+            if obj.is_meta:
+                continue
+            st = obj.untyped_storage()
+            seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage (sparse, functional wrappers)
+            continue
+    return sum(seen.values()), len(seen)
+
+
+@SYNC_MODELS
+@check("WSYNC-REFIT-003", "Across 4 refits of one live model with changing weights, the memory a refit leaves "
+       "behind does not grow: once the step's weights and read-back are released, the distinct tensor storages "
+       "alive in the process (every tensor Python reaches: the live model's parameters, the engine's staging "
+       "buffers and caches) take the same bytes after refits 2, 3 and 4 as after refit 1, exactly. A refit that "
+       "keeps the previous step's tensors (old parameters, staged copies, a cache keyed by step) grows by them at "
+       "every RL step.", requires=["weight_sync.refit", "weight_sync.refit_memory"])
+def test_refit_memory_flat_exact(engine, model):
+    _require_families(engine, model)
+    config = fixtures.tiny_model(model).config
+    steps = [_step_state_dict(model, step) for step in range(REFIT_MEMORY_STEPS)]  # made (and cached) up front
+    held = []
+    for sd in steps:
+        got = engine.refit(config, sd)
+        del got
+        held.append(_held_tensor_storage())
+    base_bytes, base_count = held[0]
+    grew = [f"after refit {k + 1}: {b - base_bytes:+,} bytes in {n - base_count:+} storages"
+            for k, (b, n) in enumerate(held) if k and (b, n) != (base_bytes, base_count)]
+    assert not grew, (f"{model}: the tensor memory held after a refit grows from one RL step to the next (refit 1: "
+                      f"{base_bytes:,} bytes in {base_count} storages): " + "; ".join(grew))

@@ -105,6 +105,10 @@ def _table() -> dict[str, Capability]:
         Capability("weight_sync.refit", "weight_sync", ("refit", "weight_sync", "_weight_sync_recipe", "scale_policy"),
                    "refit(config, state_dict): each step's FP8 refit into the live inference model, every "
                    "parameter read back (codes, scales, BF16 leftovers); a failed refit raises, nothing half-updated"),
+        Capability("weight_sync.refit_memory", "weight_sync", ("refit",),
+                   "refit's live model lives in the checking process, so the tensor memory each refit leaves behind "
+                   "can be counted (every tensor Python reaches; an engine whose model runs in another process "
+                   "leaves this unavailable with that reason)"),
         Capability("rollout", "e2e", _ROLLOUT_OPS, "rollout_init / rollout: generation with reported log-probs"),
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),

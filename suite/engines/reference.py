@@ -201,6 +201,8 @@ class ReferenceEngine(Engine):
         from fp8rl.reference import weight_sync as ws
 
         recipe = self._weight_sync_recipe()
+        if self.__dict__.get("_refitting"):  # a refit keeps no copy of a step beyond its live model (WSYNC-REFIT-003)
+            return ws.quantize_state_dict(state_dict, recipe)
         # the oracle's quantizer is a pure function of (weights, recipe): memoize across engine instances
         from fp8rl.fixtures import digest_state_dict
 
@@ -241,7 +243,11 @@ class ReferenceEngine(Engine):
             key = last[base] = base + ("|packed-experts" if packed else "")
         live = models.get(key)
         if state_dict is not None:
-            synced = self.weight_sync(state_dict)
+            self.__dict__["_refitting"] = True  # weight_sync unmemoized: the memo would hold every step's tensors
+            try:
+                synced = self.weight_sync(state_dict)
+            finally:
+                self.__dict__["_refitting"] = False
             if live is not None:
                 bad = [f"{n}: {tuple(t.shape)} {t.dtype}" + ("" if n not in live else
                                                              f", the model holds {tuple(live[n].shape)} {live[n].dtype}")

@@ -186,8 +186,11 @@ class VerlVllmRefitEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         if self._ns is None:
             reason = self._reason or INSTALL_HINT
-            return {"weight_sync.refit": reason, **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
-        return {"weight_sync.refit": True, **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
+            return {"weight_sync.refit": reason, "weight_sync.refit_memory": reason,
+                    **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
+        # the live vLLM model, veRL's staging and both libraries' caches are in this process: their tensors count
+        return {"weight_sync.refit": True, "weight_sync.refit_memory": True,
+                **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
 
     def scale_policy(self, kind: str):
         """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""

@@ -76,3 +76,15 @@ class RefitHalfUpdated(ReferenceEngine):
                 raise ValueError(f"refit: {n} {tuple(t.shape)} does not fit the live model")
             live[n] = t
         return {n: t.clone() for n, t in live.items()}
+
+
+@_weight_sync_area
+@mutant("refit-keeps-previous-step", "refit keeps each step's synced tensors after loading them (a staging buffer "
+        "or the replaced parameters held in a list that is never cleared): the engine's memory grows by one "
+        "quantized model per RL step", kills=("WSYNC-REFIT-003",))
+class RefitKeepsPreviousStep(ReferenceEngine):
+    def refit(self, config, state_dict):
+        out = super().refit(config, state_dict)
+        if state_dict is not None:
+            self.__dict__.setdefault("_refit_staged", []).append({n: t.clone() for n, t in out.items()})
+        return out
