@@ -431,3 +431,54 @@ def test_refit_memory_flat_exact(engine, model):
             for k, (b, n) in enumerate(held) if k and (b, n) != (base_bytes, base_count)]
     assert not grew, (f"{model}: the tensor memory held after a refit grows from one RL step to the next (refit 1: "
                       f"{base_bytes:,} bytes in {base_count} storages): " + "; ".join(grew))
+
+
+def _step_kv_scales(state_dict: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """The trainer-side KV-cache calibration pushed with RL step ``step``: for every attention layer (each
+    ``<layer>.self_attn.o_proj.weight``) a ``k_scale`` and a ``v_scale``, fp32 0-d dequant scales, seeded per layer
+    in [2^-8, 2^-4] and 1.5x the previous step's at every step, so that a stale scale (the previous step's) or the
+    1.0 default lies far outside the one-BF16-rounding bound."""
+    suffix = ".self_attn.o_proj.weight"
+    layers = sorted(n[: -len(suffix)] for n in state_dict if n.endswith(suffix))
+    g = torch.Generator().manual_seed(104729)
+    out = {}
+    for layer in layers:
+        for kind in ("k", "v"):
+            base = 2.0 ** (-8 + 4 * torch.rand((), generator=g, dtype=torch.float64).item())
+            out[f"{layer}.self_attn.{kind}_scale"] = torch.tensor(base * 1.5 ** step, dtype=torch.float32)
+    return out
+
+
+@SYNC_MODELS
+@check("WSYNC-REFIT-004", "With an FP8 KV cache, after each of 3 refits whose stream carries that step's KV-cache "
+       "scales (the trainer-side calibration of every attention layer: <layer>.self_attn.k_scale and v_scale, fp32), "
+       "the scales the live model's attention kernels read equal the pushed ones to at most one BF16 rounding: "
+       "none stale (the previous step's), none left at the 1.0 default, none missing.", bound="refit_kv_scale",
+       requires=["weight_sync.refit", "weight_sync.refit_kv"])
+def test_refit_kv_scales_bound(engine, model):
+    _require_families(engine, model)
+    config = dict(fixtures.tiny_model(model).config, kv_cache_dtype="fp8_e4m3")
+    tol = tolerances.get("refit_kv_scale").value
+    prev: dict[str, torch.Tensor] | None = None
+    for step in range(REFIT_STEPS):
+        sd = _step_state_dict(model, step)
+        pushed = _step_kv_scales(sd, step)
+        assert pushed, f"{model}: no attention layer (no *.self_attn.o_proj.weight) to carry KV-cache scales"
+        got = engine.refit(config, {**sd, **pushed})
+        bad = []
+        for name, s in pushed.items():
+            held = got.get(name)
+            if held is None or held.numel() != 1:
+                bad.append(f"{name}: {'missing' if held is None else f'shape {tuple(held.shape)}'} in the read-back")
+                continue
+            value, want = float(held.double()), float(s)
+            rel = abs(value - want) / want
+            if not rel <= tol:
+                why = (" (the 1.0 default)" if value == 1.0 else
+                       " (stale: the previous step's)" if prev is not None and
+                       abs(value - float(prev[name])) <= tol * float(prev[name]) else "")
+                bad.append(f"{name}: the attention reads {value:.6g}, the step pushed {want:.6g} (relative error "
+                           f"{rel:.3g} > {tol:.3g}){why}")
+        assert not bad, (f"{model}: after refit {step + 1}/{REFIT_STEPS}, {len(bad)} of {len(pushed)} KV-cache scales "
+                         "are not the step's: " + "; ".join(bad[:4]))
+        prev = pushed

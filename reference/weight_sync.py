@@ -45,7 +45,8 @@ from fp8rl.reference.quant import Granularity, QuantizedTensor, quantize
 
 __all__ = [
     "DEFAULT_EXCLUDE", "DEFAULT_INCLUDE", "FP8_TORCH_DTYPES", "SCALE_SUFFIX", "WeightSyncRecipe",
-    "PACKED_EXPERTS", "dequantize_state_dict", "expert_key", "ignored_layers", "is_packed_experts", "is_quantized_name",
+    "KV_CACHE_SCALE", "PACKED_EXPERTS", "dequantize_state_dict", "expert_key", "ignored_layers", "is_kv_cache_scale",
+    "is_packed_experts", "is_quantized_name",
     "load_hf_checkpoint", "quantization_config", "quantize_state_dict", "quantized_names", "scale_name",
     "source_tensor", "synced_tensors", "write_hf_checkpoint",
 ]
@@ -146,6 +147,16 @@ def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
+#: an attention layer's FP8 KV-cache scales in a weight stream (vLLM's checkpoint names, mapped by its loaders to the
+#: layer's ``attn.k_scale`` / ``attn.v_scale``): fp32 scalars, dequant scales (stored K = fp8(k / k_scale))
+KV_CACHE_SCALE = r"\.self_attn\.(k|v)_scale$"
+
+
+def is_kv_cache_scale(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """A per-layer FP8 KV-cache scale (:data:`KV_CACHE_SCALE`, 0-d): synced in fp32 as given, never cast to BF16."""
+    return len(tuple(shape)) == 0 and re.search(KV_CACHE_SCALE, name) is not None
+
+
 def is_packed_experts(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
     """A 3-D packed expert tensor (E, N, K) (:data:`PACKED_EXPERTS`)."""
     return len(tuple(shape)) == 3 and re.search(PACKED_EXPERTS, name) is not None
@@ -183,8 +194,9 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], recipe: WeightSy
       ``recipe.policy``); engines pass their own to reuse the rest of the pipeline.
 
     Returns a new dict in input order: ``name`` → FP8 tensor (``torch.float8_e4m3fn`` for e4m3fn) of the weight's
-    shape and ``name + "_scale_inv"`` → fp32 (⌈N/Bn⌉, ⌈K/Bk⌉), right after it; every other tensor in
-    ``recipe.cast_dtype`` (the input tensor itself, not a copy, when it already has that dtype).
+    shape and ``name + "_scale_inv"`` → fp32 (⌈N/Bn⌉, ⌈K/Bk⌉), right after it; a per-layer FP8 KV-cache scale
+    (:func:`is_kv_cache_scale`) in fp32; every other tensor in ``recipe.cast_dtype`` (the input tensor itself, not a
+    copy, when it already has that dtype).
     """
     r = _recipe(recipe, exclude, include, policy)
     g = r.granularity
@@ -193,6 +205,9 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], recipe: WeightSy
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+        if is_kv_cache_scale(name, tuple(t.shape)):
+            out[name] = t.to(torch.float32)  # a KV-cache scale stays fp32 (a BF16 scale would move every K/V code)
+            continue
         if not is_quantized_name(name, tuple(t.shape), r):
             out[name] = t.to(r.cast_dtype) if t.is_floating_point() and t.dtype != r.cast_dtype else t
             continue

@@ -105,6 +105,10 @@ def _table() -> dict[str, Capability]:
         Capability("weight_sync.refit", "weight_sync", ("refit", "weight_sync", "_weight_sync_recipe", "scale_policy"),
                    "refit(config, state_dict): each step's FP8 refit into the live inference model, every "
                    "parameter read back (codes, scales, BF16 leftovers); a failed refit raises, nothing half-updated"),
+        Capability("weight_sync.refit_kv", "weight_sync", ("refit", "weight_sync", "_weight_sync_recipe", "scale_policy"),
+                   "refit with an FP8 KV cache (config kv_cache_dtype 'fp8_e4m3'): the step's KV-cache scales "
+                   "(<layer>.self_attn.k_scale/v_scale) ride in the stream and the read-back holds the scales the "
+                   "attention kernels use"),
         Capability("weight_sync.refit_memory", "weight_sync", ("refit",),
                    "refit's live model lives in the checking process, so the tensor memory each refit leaves behind "
                    "can be counted (every tensor Python reaches; an engine whose model runs in another process "

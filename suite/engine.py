@@ -282,15 +282,21 @@ class RolloutOps:
 
         ``config``: the HF config dict of the model; the engine builds its live FP8 model (FP8 linears per its
         quantization config) on the first call for a config and keeps it: every later call with that config is a
-        refit of the same live model. ``state_dict``: the trainer's weights at this step, checkpoint names, BF16 (or
-        fp32 master weights), streamed through the engine's own per-step quantize-and-load path; ``None``: no sync,
-        only the read-back. A refit that fails must raise and leave the live model as it was before the call.
+        refit of the same live model. ``config["kv_cache_dtype"] == "fp8_e4m3"`` (not an HF key; capability
+        ``weight_sync.refit_kv``): the live model has an FP8 (e4m3fn) KV cache with per-tensor, per-layer scales.
+        ``state_dict``: the trainer's weights at this step, checkpoint names, BF16 (or fp32 master weights),
+        streamed through the engine's own per-step quantize-and-load path; with an FP8 KV cache it also carries the
+        step's KV-cache scales, ``<layer>.self_attn.k_scale`` / ``v_scale`` (fp32 0-d dequant scales: stored
+        K = fp8(k / k_scale); the trainer-side calibration of the step). ``None``: no sync, only the read-back. A
+        refit that fails must raise and leave the live model as it was before the call.
 
         Returns every parameter the live model holds after the call, read back from the model in the layout its
         kernels consume and under checkpoint names (fused layers split into their checkpoint parts): FP8 weights
         ``name`` (``torch.float8_e4m3fn``, the weight's shape) + ``name + "_scale_inv"`` (fp32 dequant scales,
         (⌈N/128⌉, ⌈K/128⌉)), every other parameter in its dtype (BF16). Copies: the caller may keep them across
-        refits. The oracle: the step's :meth:`weight_sync` output (fp8rl.reference.weight_sync).
+        refits. With an FP8 KV cache, also each attention layer's KV-cache scales as its attention kernels read them
+        (``<layer>.self_attn.k_scale`` / ``v_scale``, fp32 0-d). The oracle: the step's :meth:`weight_sync` output
+        (fp8rl.reference.weight_sync).
         """
         raise Unsupported(f"{self.name} has no refit op")
 

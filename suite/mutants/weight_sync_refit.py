@@ -88,3 +88,18 @@ class RefitKeepsPreviousStep(ReferenceEngine):
         if state_dict is not None:
             self.__dict__.setdefault("_refit_staged", []).append({n: t.clone() for n, t in out.items()})
         return out
+
+
+@_weight_sync_area
+@mutant("refit-kv-scales-not-reset", "refit loads each step's weights but not the KV-cache scales the step pushes: "
+        "the attention keeps the scales of the first refit (a scale parameter freed after the first load, so the "
+        "loader silently skips the name), as if the trainer never recalibrated", kills=("WSYNC-REFIT-004",))
+class RefitKVScalesNotReset(ReferenceEngine):
+    def refit(self, config, state_dict):
+        from fp8rl.reference import weight_sync as ws
+
+        first = self.__dict__.setdefault("_first_kv_scales", {})
+        out = super().refit(config, state_dict)
+        key = repr(sorted(config.items()))
+        kept = first.setdefault(key, {n: t for n, t in out.items() if ws.is_kv_cache_scale(n, tuple(t.shape))})
+        return {n: kept.get(n, t) for n, t in out.items()}

@@ -111,6 +111,7 @@ from .e2e import (  # noqa: F401
     ROLLOUT_GOF,
     ROLLOUT_LOGPROB_FP32,
     ROLLOUT_LOGPROB_SLACK,
+    REFIT_KV_SCALE,
     _calibration_line,
     e2e_budget,
     e2e_budget_value,

@@ -220,3 +220,14 @@ def rollout_gof_power(n: int, distance: float, threshold: float) -> float:
 def e2e_budget(metric: str, model: str, recipe: str) -> float:
     """The e2e budget (or floor, for ``first_div_mean``) of a metric for a tiny model and recipe."""
     return get(f"e2e.{metric}.{model}.{recipe}").value
+
+REFIT_KV_SCALE = _register(
+    "refit_kv_scale",
+    2.0 ** -9,
+    "Relative difference allowed between a KV-cache scale the trainer pushes with a refit (fp32) and the scale the "
+    "engine's attention then uses (WSYNC-REFIT-004; value 2^-9): at most one round-to-nearest-even to BF16, as when "
+    "the engine holds the scale in a parameter of the model dtype (vLLM creates attn.k_scale/v_scale under the "
+    "model's default dtype): 8 significand bits, relative error ≤ 2^-8/2 = 2^-9 for a positive normal scale. The "
+    "stored K = fp8(k / s) and its dequantization use the same s, so one rounding of s moves no code's meaning; a "
+    "stale scale (the previous step's, or the 1.0 default) is off by the ratio of the two calibrations.",
+)

@@ -236,3 +236,18 @@ def test_packed_experts_dequantize_back_within_the_roundtrip_bound():
         bad = dict(synced)
         bad[ws.scale_name(name)] = synced[ws.scale_name(name)][0]
         ws.synced_tensors(bad)
+
+
+def test_kv_cache_scales_sync_in_fp32_as_given_exact():
+    """A per-layer FP8 KV-cache scale in the stream (``<layer>.self_attn.k_scale``/``v_scale``, 0-d) ships in fp32
+    bit for bit: cast to BF16 it would move by up to 2^-9 and every K/V code with it. A 2-D tensor of that name, or
+    a BF16 scalar of another name, is not a KV-cache scale."""
+    s = torch.tensor(0.0107299, dtype=torch.float32)
+    sd = {"model.layers.0.self_attn.k_scale": s, "model.layers.0.self_attn.v_scale": s.double(),
+          "model.layers.0.self_attn.attn.q_scale": s}
+    out = ws.quantize_state_dict(sd)
+    for name in ("model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"):
+        assert out[name].dtype == torch.float32 and out[name].shape == () and torch.equal(out[name], s), name
+    assert out["model.layers.0.self_attn.attn.q_scale"].dtype == torch.bfloat16  # not a name the oracle ships fp32
+    assert not ws.is_kv_cache_scale("model.layers.0.self_attn.k_scale", (1, 1))
+    assert ws.is_kv_cache_scale("model.language_model.layers.3.self_attn.v_scale", ())

@@ -148,3 +148,25 @@ def test_refits_keep_every_parameter_storage(engine):
     for variant in ("update", "base", "update"):
         engine.refit(config, fixtures.tiny_model(MODEL, variant).state_dict)
         assert storage() == first
+
+
+@needs_both
+@PIN_VERL
+def test_finding_refit_drops_pushed_kv_scales(engine):
+    """WSYNC-REFIT-004: with an FP8 KV cache, KV-cache scales pushed in the refit stream never reach the attention:
+    vLLM deleted the scale parameters after the first load, and its AutoWeightsLoader ignores unexpected
+    .k_scale/.v_scale names (QuantizationConfig._ignore_unexpected_suffixes), so the refit raises nothing and the
+    layer keeps the 1.0 default in every copy (host float, device tensor) while a directly loaded parameter would
+    have been needed."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    assert ".k_scale" in QuantizationConfig._ignore_unexpected_suffixes
+    config = dict(fixtures.tiny_model(MODEL).config, kv_cache_dtype="fp8_e4m3")
+    sd = fixtures.tiny_model(MODEL).state_dict
+    pushed = {f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(0.0123 * (i + 1), dtype=torch.float32)
+              for i in range(config["num_hidden_layers"]) for kind in ("k", "v")}
+    out = engine.refit(config, {**sd, **pushed})
+    attn = engine._live_model(config).model.model.layers[0].self_attn.attn
+    assert str(attn.kv_cache_dtype).startswith("fp8") and not hasattr(attn, "k_scale")  # the parameter is gone
+    assert (attn._k_scale_float, attn._v_scale_float, float(attn._k_scale)) == (1.0, 1.0, 1.0)
+    assert all(float(out[n]) == 1.0 for n in pushed), {n: float(out[n]) for n in pushed}
