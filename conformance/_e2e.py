@@ -24,7 +24,9 @@ import torch
 from fp8rl import fixtures, tolerances
 from fp8rl.reference import rollout_hf as R
 
-MODELS: tuple[str, ...] = fixtures.TINY_MODELS
+#: the Qwen fixtures and the family fixtures the oracle rolls out (fixtures.E2E_FAMILY_MODELS: each needs the
+#: engine's ``rollout.<family>``, :func:`family_keys`)
+MODELS: tuple[str, ...] = fixtures.TINY_MODELS + fixtures.E2E_FAMILY_MODELS
 RECIPES: tuple[str, ...] = tuple(R.RECIPES)
 FP8_RECIPES: tuple[str, ...] = tuple(r for r in RECIPES if r != "bf16")
 #: the models every recipe runs on; the architecture-variant fixtures (shared-expert MoE without QK-norm, tied
@@ -39,6 +41,30 @@ VARIANT_RECIPES: tuple[str, ...] = ("bf16", "fp8-all")
 #: checked: its k3 KL tail (routing flips under MXFP8 activations) reaches 0.363 at the checks' own seed 0, 3.5x the
 #: maximum of the 400 held-out calibration runs, so a max-based budget would false-alarm (docs/microscaling.md)
 MX_CASES: dict[str, str] = {"mxfp8": "tiny-qwen3", "nvfp4-experts": "tiny-qwen3-moe"}
+
+
+def family_keys(model: str) -> tuple[str, ...]:
+    """The capability keys ``rollout.<family>`` a case of ``model`` needs besides ``rollout.<recipe>`` (none for the
+    Qwen fixtures)."""
+    return tuple(f"rollout.{fam}" for fam in fixtures.model_families(model))
+
+
+def case_reason(engine: Any, model: str, recipe: str) -> str | None:
+    """Why ``engine`` does not run the case (model, recipe): the first missing capability and its reason."""
+    from fp8rl.checks import capability_reason
+
+    for key in (f"rollout.{recipe}", *family_keys(model)):
+        reason = capability_reason(engine, key)
+        if reason is not None:
+            return f"{key}: {reason}"
+    return None
+
+
+def require_model(engine: Any, model: str) -> None:
+    """Skip the running check with the engine's reason unless it declares the model's ``rollout.<family>``."""
+    from fp8rl.checks import require
+
+    require(engine, *family_keys(model))
 
 
 def recipes_for(model: str) -> tuple[str, ...]:
@@ -160,12 +186,9 @@ def prestart(engine: Any) -> None:
     if hook is None or id(engine) in _PRESTARTED:
         return
     _PRESTARTED[id(engine)] = engine
-    from fp8rl.checks import capability_reason
-
     cases = []
     for model, recipe in CASES:
-        if capability_reason(engine, f"rollout.{recipe}") is None and (id(engine), model, "base", recipe) \
-                not in _CACHE:
+        if case_reason(engine, model, recipe) is None and (id(engine), model, "base", recipe) not in _CACHE:
             m = fixtures.tiny_model(model)
             cases.append((m.config, m.state_dict, recipe))
     try:
@@ -379,7 +402,6 @@ def gof_tv_allowance(r: LogitsRollout) -> float:
 def mismatch_section(engine: Any, run_seed: int = 0) -> dict[str, Any]:
     """The ``mismatch`` report section for ``engine``: a table (model × recipe) and per-model plots of the mean
     per-token |Δlogp| along the generated sequence, one series per recipe (recipes the engine lacks are listed)."""
-    from fp8rl.checks import capability_reason
 
     cols = ["model", "recipe", "k3 KL", "budget", "token_mult_prob_error", "budget", "max |Δlogp|", "budget",
             "mean |Δlogp|", "first divergence (mean)", "floor", "first divergence (min)"]
@@ -390,7 +412,7 @@ def mismatch_section(engine: Any, run_seed: int = 0) -> dict[str, Any]:
     for model in MODELS:
         series: dict[str, list[float]] = {}
         for recipe in recipes_for(model):
-            reason = capability_reason(engine, f"rollout.{recipe}")
+            reason = case_reason(engine, model, recipe)
             if reason is not None:
                 notes.append(f"{model}/{recipe}: not run ({reason})")
                 continue

@@ -47,6 +47,7 @@ def _record(res: E.CaseResult) -> None:
        "within the recipe's budget (measured reference-emulation distribution x margin).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
 def test_mismatch_budget_stat(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     section = E.mismatch_section(engine, run_seed)  # every case of the section (the engine may start them together)
     res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
@@ -60,6 +61,7 @@ def test_mismatch_budget_stat(engine, model, recipe, run_seed):
        "for at least the recipe's floor of tokens on average (first divergence position).",
        bound="e2e_mismatch", requires=["rollout.{recipe}"], timeout=600)
 def test_greedy_first_divergence_stat(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     section = E.mismatch_section(engine, run_seed)
     res = E.cached_case(engine, model, recipe, run_seed=run_seed)
     record_section("mismatch", section)
@@ -75,6 +77,7 @@ def test_greedy_first_divergence_stat(engine, model, recipe, run_seed):
        "length, mode and seed (greedy and sampled, bit for bit): the logits it exposes are those of the rollout.",
        requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
 def test_rollout_logits_reproduce_rollout_exact(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     lc = E.logits_case(engine, model, recipe, run_seed=run_seed)
     bad = []
     for mode, got, (tok, lp) in (("greedy", lc.greedy, lc.rollout_greedy), ("sampled", lc.sampled, lc.rollout_sampled)):
@@ -94,6 +97,7 @@ def test_rollout_logits_reproduce_rollout_exact(engine, model, recipe, run_seed)
        "bound: no other temperature, no BF16 log-softmax, no stale logits.", bound="rollout_logprob_fp32",
        requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
 def test_rollout_logprobs_are_log_softmax_bound(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     lc = E.logits_case(engine, model, recipe, run_seed=run_seed)
     msgs, worst = [], 0.0
     for mode, r in (("greedy", lc.greedy), ("sampled", lc.sampled)):
@@ -118,6 +122,7 @@ def test_rollout_logprobs_are_log_softmax_bound(engine, model, recipe, run_seed)
        "20 tokens; ties: any of the tied maxima, compared exactly in the reported fp32 values).",
        requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
 def test_greedy_tokens_are_argmax_exact(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     r = E.logits_case(engine, model, recipe, run_seed=run_seed).greedy
     bad = E.argmax_violations(r)
     record_metrics(mismatch_frac=float(bad.double().mean()))
@@ -138,6 +143,7 @@ def test_greedy_tokens_are_argmax_exact(engine, model, recipe, run_seed):
        "false-alarm rate 1e-6 (DKW bound): no hidden temperature, top-k/top-p truncation or shared random streams "
        "across a group.", bound="rollout_gof", requires=["rollout.{recipe}", "rollout.logits"], timeout=600)
 def test_samples_follow_reported_distribution_stat(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     r = E.gof_rollout(engine, model, recipe, run_seed=run_seed)
     u = E.pit_values(r, seed=0x5EED + int(run_seed))
     d = E.ks_uniform(u)
@@ -161,6 +167,7 @@ def test_samples_follow_reported_distribution_stat(engine, model, recipe, run_se
        "than vs step 0. The update grows K/V 8x, so FP8 KV scales must be recalibrated (or pushed).",
        bound="e2e_mismatch", requires=["rollout.{recipe}", "update_weights"], timeout=600)
 def test_update_weights_follow_new_policy_stat(engine, model, recipe, run_seed):
+    E.require_model(engine, model)
     m0, m1 = fixtures.tiny_model(model, "base"), fixtures.tiny_model(model, "update")
     p, plen = E.prompts(), E.prompt_len()
     handle = engine.rollout_init(m0.config, m0.state_dict, recipe)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fp8rl import fixtures
 from fp8rl.fixtures import WSYNC_FAMILIES
 from fp8rl.reference import microscaling, mx_weight_sync, rollout
 from fp8rl.reference.formats import ELEMENT_FORMATS
@@ -43,6 +44,10 @@ WSYNC_FAMILY_NOTES: dict[str, str] = {
 }
 #: the capability keys of those families, ``weight_sync.<family>``
 WSYNC_FAMILY_KEYS: tuple[str, ...] = tuple(f"weight_sync.{fam}" for fam in WSYNC_FAMILIES)
+#: the families the e2e area rolls out (those of fixtures.E2E_FAMILY_MODELS), and their keys ``rollout.<family>``
+ROLLOUT_FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(
+    fam for m in fixtures.E2E_FAMILY_MODELS for fam in fixtures.model_families(m)))
+ROLLOUT_FAMILY_KEYS: tuple[str, ...] = tuple(f"rollout.{fam}" for fam in ROLLOUT_FAMILIES)
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
 _ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy",
@@ -117,6 +122,9 @@ def _table() -> dict[str, Capability]:
         Capability("update_weights", "e2e", ("update_weights",) + _ROLLOUT_OPS,
                    "update_weights: load new weights into a running policy (per-step sync)"),
     ]
+    for fam, key in zip(ROLLOUT_FAMILIES, ROLLOUT_FAMILY_KEYS):
+        rows.append(Capability(key, "e2e", _ROLLOUT_OPS,
+                               f"rollouts of the {WSYNC_FAMILY_NOTES[fam]} fixture (fp8rl.fixtures.E2E_FAMILY_MODELS)"))
     for fam, key in zip(WSYNC_FAMILIES, WSYNC_FAMILY_KEYS):
         what = WSYNC_FAMILY_NOTES[fam]
         rows.append(Capability(key, "weight_sync", ("weight_sync", "_weight_sync_recipe", "scale_policy"),
