@@ -21,17 +21,22 @@ def _weight_sync_area(cls):
     return cls
 
 
+def _first_refit_values(engine, slot: str, config, out: dict, pick) -> dict:
+    """``out`` with the tensors ``pick(name, tensor)`` selects as the first refit of ``config`` returned them: what a
+    load path that does not reach those parameters leaves in the live model."""
+    first = engine.__dict__.setdefault(slot, {})
+    kept = first.setdefault(repr(sorted(config.items())), {n: t for n, t in out.items() if pick(n, t)})
+    return {n: kept.get(n, t) for n, t in out.items()}
+
+
 @_weight_sync_area
 @mutant("refit-stale-scale", "refit loads each step's FP8 codes but keeps the block scales of the first refit (a "
         "scale parameter the load path does not reach, e.g. a *_weight_scale_inv renamed by the kernel's "
         "post-processing, stays at its first value)", kills=("WSYNC-REFIT-001",))
 class RefitStaleScale(ReferenceEngine):
     def refit(self, config, state_dict):
-        first = self.__dict__.setdefault("_first_scales", {})
-        out = super().refit(config, state_dict)
-        key = repr(sorted(config.items()))
-        scales = first.setdefault(key, {n: t for n, t in out.items() if n.endswith("_scale_inv")})
-        return {n: scales.get(n, t) for n, t in out.items()}
+        return _first_refit_values(self, "_first_scales", config, super().refit(config, state_dict),
+                                   lambda n, t: n.endswith("_scale_inv"))
 
 
 @_weight_sync_area
@@ -98,8 +103,5 @@ class RefitKVScalesNotReset(ReferenceEngine):
     def refit(self, config, state_dict):
         from fp8rl.reference import weight_sync as ws
 
-        first = self.__dict__.setdefault("_first_kv_scales", {})
-        out = super().refit(config, state_dict)
-        key = repr(sorted(config.items()))
-        kept = first.setdefault(key, {n: t for n, t in out.items() if ws.is_kv_cache_scale(n, tuple(t.shape))})
-        return {n: kept.get(n, t) for n, t in out.items()}
+        return _first_refit_values(self, "_first_kv_scales", config, super().refit(config, state_dict),
+                                   lambda n, t: ws.is_kv_cache_scale(n, tuple(t.shape)))
