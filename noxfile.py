@@ -258,6 +258,14 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          ci={"conformance": 71, "pytest": 81},
          lock_note=" (they pin torch<2.11 and agent/serving stacks); the extra is the set `import areal` and "
                    "`areal.trainer` need on CPU"),
+    # not an engine tier: the environment of `fp8rl matrix --ray` (nox -s matrix / matrices); CI runs the Ray path's
+    # test in it (a two-cell matrix on a local Ray instance; skipped in the base environment, which has no Ray)
+    Tier("ray", "test,lint,ray", lock_constraints=("base",),
+         pytest=((*_ENGINE_TEST, "tests/harness/test_matrix.py", "-k", "ray"),),
+         description="fp8rl matrix's Ray executor (the `ray` extra): a two-cell matrix on a local Ray instance",
+         ci={"pytest": 91},
+         lock_note=" (the base lock's versions plus Ray); runs no conformance: the environment of `nox -s matrix` and "
+                   "`nox -s matrices`, whose cells build their own environments from a tier's lock"),
 )}
 
 
@@ -614,10 +622,10 @@ def lock(session: nox.Session) -> None:
     if os.environ.get("FP8RL_TORCH_INDEX"):
         sources += ["--extra-index-url", os.environ["FP8RL_TORCH_INDEX"], "--index-strategy", "unsafe-best-match"]
     build = LOCKS / "build.in"  # the build backend, so that fp8rl installs with --no-build-isolation
-    names = session.posargs or [*TIERS, RAY_LOCK]  # `nox -s lock -- checkpoint`: that tier's lock only
-    unknown = sorted(set(names) - set(TIERS) - {RAY_LOCK})
+    names = session.posargs or [*TIERS]  # `nox -s lock -- checkpoint`: that tier's lock only
+    unknown = sorted(set(names) - set(TIERS))
     if unknown:
-        session.error(f"posargs: expected tier names among {list(TIERS)} or {RAY_LOCK!r}, got {unknown}")
+        session.error(f"posargs: expected tier names among {list(TIERS)}, got {unknown}")
     for tier in (TIERS[n] for n in TIERS if n in names):  # TIERS order: a tier's lock_constraints come first
         out = lock_path(tier.name)
         extras = [a for e in tier.extras.split(",") for a in ("--extra", e)]
@@ -632,11 +640,6 @@ def lock(session: nox.Session) -> None:
                 fh.write("# installed without their declared dependencies (see noxfile.py TIERS):\n")
                 for pkg in tier.no_deps:
                     fh.write(f"{pkg}\n")
-    if RAY_LOCK in names:  # the base lock's versions plus ray (fp8rl matrix --ray; nox -s matrix)
-        session.run(uv, "pip", "compile", "pyproject.toml", str(build), "--extra", "test", "--extra", "lint", "--extra",
-                    "ray", "-c", str(LOCKS / "torch-cpu.txt"), "-c", str(lock_path("base")), *sources,
-                    "--python-version", PYTHON_VERSION, "--python-platform", "x86_64-manylinux_2_28",
-                    "--custom-compile-command", "nox -s lock", "--quiet", "-o", str(lock_path(RAY_LOCK)), external=True)
     session.run(uv, "pip", "compile", str(LOCKS / "tools.in"), "--python-version", PYTHON_VERSION,
                 "--python-platform", "x86_64-manylinux_2_28", "--custom-compile-command", "nox -s lock", "--quiet",
                 "-o", str(LOCKS / "tools.txt"), external=True)
@@ -645,8 +648,8 @@ def lock(session: nox.Session) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # version matrix (nightly, or on demand)
 
-#: locks/ray.txt: the base lock plus the ``ray`` extra, the environment of ``nox -s matrix`` (not a tier: it runs no
-#: engine itself, its cells build their own venvs from a tier's lock)
+#: locks/ray.txt: the base lock plus the ``ray`` extra (TIERS["ray"]), the environment of ``nox -s matrix``: it runs
+#: no engine itself, its cells build their own venvs from a tier's lock
 RAY_LOCK = "ray"
 
 
@@ -698,7 +701,7 @@ def matrices(session: nox.Session) -> None:
     """The nightly's version matrices alone (NIGHTLY_MATRICES, within NIGHTLY_MATRIX_BUDGET_S): fp8rl-nightly/matrix/
     <library>/ and the "findings by version" page fp8rl-nightly/matrix/index.html. Needs uv on PATH."""
     if not _no_venv(session):
-        install_locked(session, Tier(RAY_LOCK, "test,lint,ray"))
+        install_locked(session, TIERS[RAY_LOCK])
     problems = run_nightly_matrices(session, ROOT / "fp8rl-nightly" / "matrix")
     if problems:
         session.error("matrices: " + "; ".join(problems))
@@ -713,7 +716,7 @@ def matrix(session: nox.Session) -> None:
     if not session.posargs:
         session.error("usage: nox -s matrix -- --tier TIER --package PACKAGE --versions A..B [fp8rl matrix options]")
     if not _no_venv(session):
-        install_locked(session, Tier(RAY_LOCK, "test,lint,ray"))
+        install_locked(session, TIERS[RAY_LOCK])
     session.run("fp8rl", "matrix", *session.posargs)
 
 
@@ -905,9 +908,6 @@ def locks_table() -> str:
                  else "README's `.venv`, `nox -s tests conformance lint typecheck asv mutants kv_drift`")
         note = ("; ".join(notes) + t.lock_note).strip()
         rows.append(f"| `{t.name}.txt` | {where} | `{t.extras}` | {note} |".replace("|  |", "| |"))
-    rows.append(f"| `{RAY_LOCK}.txt` | `nox -s matrix` (`fp8rl matrix`, locally or `--ray`) | `test,lint,ray` | "
-                "the base lock's versions plus Ray (compiled with `base.txt` as constraints); not a tier: it runs no "
-                "conformance of its own, each matrix cell builds its own environment |")
     rows.append("| `tools.txt` | what runs the tiers (`.ci/run`) | — | nox and uv, from `tools.in` |")
     return "\n".join(["| lock | environment | extras (pyproject.toml) | notes |", "| --- | --- | --- | --- |", *rows])
 
