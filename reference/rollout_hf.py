@@ -65,6 +65,9 @@ _ATTN_NAME = "fp8rl_fp8_attention"
 # model construction and state-dict conversion
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+#: an expert's slice of transformers 5's packed experts, as fp8rl.reference.weight_sync.synced_tensors keys it
+#: (``mlp.experts.gate_up_proj[e]``: rows [gate_e; up_e]; ``mlp.experts.down_proj[e]``)
+_PACKED_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)\[(?P<e>\d+)\]$")
 
 
 def _offline() -> None:
@@ -272,7 +275,7 @@ class RolloutPolicy:
                 synced = ws.quantize_state_dict(state_dict, ws.WeightSyncRecipe(block=self.weight_block,
                                                                                 policy=self.weight_policy))
             qts = ws.synced_tensors(synced, self.weight_block)
-            scale_names = {ws.scale_name(n) for n in qts}
+            scale_names = {ws.scale_name(n) for n in synced if ws.scale_name(n) in synced}  # packed: keys name[e]
             plain = {k: v for k, v in synced.items() if k not in qts and k not in scale_names}
         else:
             qts, plain = {}, dict(state_dict)
@@ -335,6 +338,15 @@ class RolloutPolicy:
             m = _EXPERT_RE.match(name)
             if m is not None:
                 experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})[m["proj"]] = w64
+                continue
+            m = _PACKED_EXPERT_RE.match(name)
+            if m is not None:  # a packed slice: gate_up_proj[e] holds [gate_e; up_e] (fixtures.fuse_experts)
+                slot = experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})
+                if m["proj"] == "down_proj":
+                    slot["down_proj"] = w64
+                else:
+                    half = w64.shape[0] // 2
+                    slot["gate_proj"], slot["up_proj"] = w64[:half], w64[half:]
                 continue
             path = name[: -len(".weight")] if name.endswith(".weight") else name
             mod = _get_module(model, path)

@@ -388,3 +388,22 @@ def test_nvfp4_experts_quantizes_the_routed_experts_only_exact(moe):
     with pytest.raises(ValueError, match=r"synced: .*experts\.0\.\w+_proj\.weight is quantized by nvfp4-experts "
                                          r"but \[.*weight_global_scale'\] are missing"):
         H.RolloutPolicy(moe.config, moe.state_dict, "nvfp4-experts", synced=broken)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-all"])
+def test_packed_experts_roll_out_like_their_unfused_experts_exact(recipe):
+    """tiny-qwen3-moe-fused holds tiny-qwen3-moe's weights with the experts packed (transformers 5's in-memory
+    layout): the oracle's rollout of it — the packed FP8 sync split back into each expert's gate/up/down — gives the
+    per-expert model's tokens and log-probs bit for bit."""
+    from fp8rl import fixtures
+    from fp8rl.conformance import _e2e as E
+    from fp8rl.engines.reference import ReferenceEngine
+
+    eng = ReferenceEngine()
+    got = []
+    for model in ("tiny-qwen3-moe", "tiny-qwen3-moe-fused"):
+        tm = fixtures.tiny_model(model)
+        handle = eng.rollout_init(tm.config, tm.state_dict, recipe)
+        got.append(eng.rollout(handle, E.prompts(), 8, greedy=False, seed=11)[:2])
+    (t0, lp0), (t1, lp1) = got
+    assert torch.equal(t0, t1) and torch.equal(lp0.view(torch.int32), lp1.view(torch.int32))

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import torch
+from fp8rl.capabilities import ROLLOUT_FAMILY_KEYS
 from fp8rl.engine import CapabilityMap, Unsupported
 
 from ._common import _vllm_version, vllm_reason
@@ -40,9 +41,10 @@ class VllmLLMMixin:
                                "rollout.fp8-kv": True, "rollout.fp8-linear-ptpc": True, "rollout.logits": True}
         caps["weight_sync"] = (f"vllm {v}: no 128x128 block weight sync on CPU: quantization='fp8_per_block' "
                                "fails to load without AMX")
-        caps["rollout.llama"] = (f"vllm {v}: rollouts of the Llama fixture are not run yet: each rollout "
-                                 "configuration starts a vllm.LLM process, and this tier's CI budget holds the Qwen "
-                                 "fixtures' (vLLM's LlamaForCausalLM is refit-checked by engine verl-vllm-refit)")
+        for key in ROLLOUT_FAMILY_KEYS:  # rollout.llama, rollout.fused-experts
+            caps[key] = (f"vllm {v}: rollouts of the {key.split('.', 1)[1]} family fixture are not run yet: each "
+                         "rollout configuration starts a vllm.LLM process, and this tier's CI budget holds the Qwen "
+                         "fixtures' (vLLM's Llama and MoE classes are refit-checked by engine verl-vllm-refit)")
         caps["rollout.fp8-linear"] = (f"vllm {v} on CPU: W8A8 block-FP8 linear (128x128 weights, 1x128 activations) "
                                       "needs AMX; only quantization='fp8_per_channel' (PTPC, recipe fp8-linear-ptpc) "
                                       "runs on AVX-512")
