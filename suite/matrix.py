@@ -910,7 +910,7 @@ def cmd_findings(args: argparse.Namespace) -> int:
     if not paths:
         print("fp8rl findings: --matrix: no matrix.json given and none is packaged with fp8rl")
         return EXIT_USAGE
-    answers = []
+    selected = []
     for p in paths:
         try:
             m = R.load(p)
@@ -920,6 +920,18 @@ def cmd_findings(args: argparse.Namespace) -> int:
         engines = {x["engine"] for x in m.get("runs", [])}
         if args.engine and not engines & set(args.engine):
             continue
+        if args.package and m["package"].lower() != args.package.lower():
+            continue
+        selected.append((p, m))
+    packages = sorted({m["package"] for _, m in selected})
+    if args.version and len(packages) > 1:
+        # one version of several libraries means nothing (an engine such as hf-fp8 has matrices over transformers
+        # and over compressed-tensors): say whose version it is
+        print(f"fp8rl findings: --version {args.version}: the selected matrices are of {len(packages)} packages "
+              f"({', '.join(packages)}); add --package to say which one {args.version} is a version of")
+        return EXIT_USAGE
+    answers = []
+    for p, m in selected:
         if args.version:
             v = args.version
         else:
@@ -933,8 +945,9 @@ def cmd_findings(args: argparse.Namespace) -> int:
         a["source"] = str(p)
         answers.append(a)
     if not answers:
-        print(f"fp8rl findings: --engine {args.engine}: no matrix has a run of it (matrices: "
-              f"{', '.join(map(str, paths))})")
+        what = (f"--package {args.package}" if args.package and not args.engine else f"--engine {args.engine}"
+                + (f" --package {args.package}" if args.package else ""))
+        print(f"fp8rl findings: {what}: no matrix has a run of it (matrices: {', '.join(map(str, paths))})")
         return EXIT_USAGE
     if args.json:
         print(json.dumps(answers, indent=2))
@@ -990,6 +1003,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("findings", help="the known FP8 findings of an installed (or named) library version, from "
                                         "stored version matrices (offline); see also `fp8rl report findings`")
     f.add_argument("--engine", action="append", default=[], help="only matrices and findings of this engine")
+    f.add_argument("--package", default=None, help="only the matrices of this library (needed with --version when "
+                                                   "the selected matrices are of several libraries)")
     f.add_argument("--version", default=None, help="this version instead of the installed one")
     f.add_argument("--matrix", action="append", default=[], metavar="FILE",
                    help="a matrix.json (repeatable; default: the matrices packaged with fp8rl)")

@@ -495,6 +495,23 @@ def test_findings_defaults_to_the_installed_version(tmp_path, capsys):
     assert f"jsonschema {older}: 1 of 1 known findings" in out and "Q-1" in out and "has it" in out
 
 
+def test_findings_version_of_an_engine_with_several_libraries_needs_the_package(capsys):
+    """hf-fp8 has stored matrices over transformers and over compressed-tensors: one --version of both means nothing
+    (exit 2 naming --version and --package); with --package the stored compressed-tensors matrix answers, and the
+    decompress finding it measured is in 0.18.0 and fixed in 0.19.0."""
+    assert main(["findings", "--engine", "hf-fp8", "--version", "0.18.0"]) == 2
+    out = capsys.readouterr().out
+    assert "--version 0.18.0" in out and "compressed-tensors, transformers" in out and "--package" in out
+    key = "CKPT-LOAD-001[compressed-tensors:tiny-qwen3]"
+    for version, has in (("0.18.0", True), ("0.19.0", False)):
+        assert main(["findings", "--engine", "hf-fp8", "--package", "compressed-tensors", "--version", version,
+                     "--json"]) == 0
+        answers = json.loads(capsys.readouterr().out)
+        assert {a["package"] for a in answers} == {"compressed-tensors"}
+        (f,) = [f for a in answers for f in a["findings"] if f["finding"] == key]
+        assert f["has"] is has and f["first_fixed"] == "0.19.0", (version, f)
+
+
 def test_findings_bad_input_names_the_argument(tmp_path, capsys):
     bad = tmp_path / "m.json"
     bad.write_text(json.dumps({"kind": "fp8rl-matrix"}))
