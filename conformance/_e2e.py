@@ -25,7 +25,7 @@ from fp8rl import fixtures, tolerances
 from fp8rl.reference import rollout_hf as R
 
 #: the Qwen fixtures and the family fixtures the oracle rolls out (fixtures.E2E_FAMILY_MODELS: each needs the
-#: engine's ``rollout.<family>``, :func:`family_keys`)
+#: engine's ``rollout.<family>``, fp8rl.capabilities.family_keys)
 MODELS: tuple[str, ...] = fixtures.TINY_MODELS + fixtures.E2E_FAMILY_MODELS
 RECIPES: tuple[str, ...] = tuple(R.RECIPES)
 FP8_RECIPES: tuple[str, ...] = tuple(r for r in RECIPES if r != "bf16")
@@ -43,17 +43,12 @@ VARIANT_RECIPES: tuple[str, ...] = ("bf16", "fp8-all")
 MX_CASES: dict[str, str] = {"mxfp8": "tiny-qwen3", "nvfp4-experts": "tiny-qwen3-moe"}
 
 
-def family_keys(model: str) -> tuple[str, ...]:
-    """The capability keys ``rollout.<family>`` a case of ``model`` needs besides ``rollout.<recipe>`` (none for the
-    Qwen fixtures)."""
-    return tuple(f"rollout.{fam}" for fam in fixtures.model_families(model))
-
-
 def case_reason(engine: Any, model: str, recipe: str) -> str | None:
     """Why ``engine`` does not run the case (model, recipe): the first missing capability and its reason."""
+    from fp8rl.capabilities import family_keys
     from fp8rl.checks import capability_reason
 
-    for key in (f"rollout.{recipe}", *family_keys(model)):
+    for key in (f"rollout.{recipe}", *family_keys("rollout", model)):
         reason = capability_reason(engine, key)
         if reason is not None:
             return f"{key}: {reason}"
@@ -62,9 +57,10 @@ def case_reason(engine: Any, model: str, recipe: str) -> str | None:
 
 def require_model(engine: Any, model: str) -> None:
     """Skip the running check with the engine's reason unless it declares the model's ``rollout.<family>``."""
+    from fp8rl.capabilities import family_keys
     from fp8rl.checks import require
 
-    require(engine, *family_keys(model))
+    require(engine, *family_keys("rollout", model))
 
 
 def recipes_for(model: str) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import re
 import pytest
 import torch
 from fp8rl import fixtures, tolerances
+from fp8rl.capabilities import family_keys
 from fp8rl.checks import assert_codes_equal, assert_tensors_equal, assert_within_bound, check, require
 from fp8rl.reference import microscaling as mx
 from fp8rl.reference import mx_weight_sync as mxws
@@ -63,7 +64,7 @@ def _oracle_sync(model: str, policy: ScalePolicy) -> dict[str, torch.Tensor]:
 
 def _require_families(engine, model: str) -> None:
     """Skip unless the engine declares ``weight_sync.<family>`` for every family of the fixture (none for Qwen's)."""
-    require(engine, *(f"weight_sync.{fam}" for fam in fixtures.model_families(model)))
+    require(engine, *family_keys("weight_sync", model))
 
 
 def _synced(engine, model: str) -> dict[str, torch.Tensor]:

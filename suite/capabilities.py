@@ -48,6 +48,12 @@ WSYNC_FAMILY_KEYS: tuple[str, ...] = tuple(f"weight_sync.{fam}" for fam in WSYNC
 ROLLOUT_FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(
     fam for m in fixtures.E2E_FAMILY_MODELS for fam in fixtures.model_families(m)))
 ROLLOUT_FAMILY_KEYS: tuple[str, ...] = tuple(f"rollout.{fam}" for fam in ROLLOUT_FAMILIES)
+
+
+def family_keys(prefix: str, model: str) -> tuple[str, ...]:
+    """The capability keys ``<prefix>.<family>`` a case of the fixture ``model`` needs for its families
+    (``prefix`` "weight_sync" or "rollout"; none for the Qwen fixtures)."""
+    return tuple(f"{prefix}.{fam}" for fam in fixtures.model_families(model))
 _KV_OPS = ("kv_policy", "kv_store", "kv_attention", "kv_calibrate", "kv_update_scales", "kv_forward",
            "_kv_current_scales", "_kv_layers")
 _ROLLOUT_OPS = ("rollout_init", "rollout", "weight_sync", "_weight_sync_recipe", "scale_policy",

