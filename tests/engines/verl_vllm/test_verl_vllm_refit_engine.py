@@ -37,13 +37,14 @@ def test_without_verl_the_capability_says_how_to_install(monkeypatch):
         eng.refit(fixtures.tiny_model(MODEL).config, None)
 
 
-def test_support_reason_refuses_mla_and_what_vllm_cpu_cannot_pack():
-    for name in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-llama", "tiny-qwen2.5-vl"):
-        assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model(name).config) is None, name
-    mla = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-deepseek-v3").config)
-    assert mla is not None and "later increment" in mla
+def test_support_reason_refuses_what_vllm_cpu_cannot_pack_exact():
+    for name in fixtures.SYNC_MODELS:
+        if name != "tiny-qwen3-tied-odd":
+            assert R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model(name).config) is None, name
     odd = R.VerlVllmRefitEngine._support_reason(fixtures.tiny_model("tiny-qwen3-tied-odd").config)
     assert odd is not None and "invalid weight input features" in odd and "'hidden_size': 200" in odd, odd
+    other = R.VerlVllmRefitEngine._support_reason({"architectures": ["MistralForCausalLM"]})
+    assert other is not None and other.startswith("MistralForCausalLM: this engine drives"), other
 
 
 def test_trainer_names_invert_the_model_prefix_mapper_exact():
@@ -239,3 +240,37 @@ def test_finding_multimodal_refit_casts_instead_of_quantizing(engine, capsys):
     assert torch.equal(layer.weight_scale_inv.detach(), scale_before)  # stale: no *_weight_scale_inv was streamed
     want = ws.quantize_state_dict({name: w}, ws.WeightSyncRecipe(policy="verl_torch"))
     assert not torch.equal(layer.weight_scale_inv.detach(), want[ws.scale_name(name)])
+
+
+@needs_both
+@PIN_VERL
+def test_finding_packed_experts_refit_asserts_2d(engine):
+    """WSYNC-REFIT-*[tiny-qwen3-moe-fused]: veRL 0.9.1 lists the packed expert leaves (gate_up_proj, down_proj) among
+    its FP8 candidates and is_fp8_weight resolves them to vLLM's FP8 FusedMoE, but its quantizer
+    scaled_fp8_blockwise takes 2-D tensors only: the first refit of a trainer holding transformers 5's packed
+    (E, 2I, H) / (E, H, I) experts raises in quant_weights."""
+    model = "tiny-qwen3-moe-fused"
+    tm = fixtures.tiny_model(model)
+    assert tm.state_dict["model.layers.0.mlp.experts.down_proj"].dim() == 3
+    with pytest.raises(AssertionError, match="Only 2d input tensor is supported"):
+        engine.refit(tm.config, tm.state_dict)
+    assert "model.layers.0.mlp.experts.down_proj" in engine._ns.quant.fp8_state.fp8_param_names
+
+
+@needs_both
+@PIN_VERL
+def test_finding_mla_refit_cannot_place_the_kv_a_scale(engine):
+    """WSYNC-REFIT-*[tiny-deepseek-v3]: vLLM merges MLA's q_a_proj (192 rows) and kv_a_proj_with_mqa (176 rows) into
+    fused_qkv_a_proj with one 3-row grid of 128-row scale blocks (a block spans both projections); veRL quantizes
+    each projection on its own 128x128 grid (2 scale rows each), and vLLM's merged-column loader places the second
+    projection's scale rows at block 2 of 3: the first refit raises."""
+    model = "tiny-deepseek-v3"
+    tm = fixtures.tiny_model(model)
+    with pytest.raises(RuntimeError, match=r"start \(2\) \+ length \(2\) exceeds dimension size \(3\)"):
+        engine.refit(tm.config, tm.state_dict)
+    fused = engine._live_model(dict(tm.config)).model.model.layers[0].self_attn.fused_qkv_a_proj
+    assert tuple(fused.weight_scale_inv.shape) == (3, 3) and [int(s) for s in fused.output_sizes] == [192, 176]
+    want = ws.quantize_state_dict({n: tm.state_dict[n] for n in ("model.layers.0.self_attn.q_a_proj.weight",
+                                                                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")},
+                                  ws.WeightSyncRecipe(policy="verl_torch"))
+    assert [tuple(t.shape) for n, t in want.items() if n.endswith("_scale_inv")] == [(2, 3), (2, 3)]
