@@ -63,8 +63,15 @@ def require_model(engine: Any, model: str) -> None:
     require(engine, *family_keys("rollout", model))
 
 
+#: the recipes of an MLA fixture: without an FP8 KV cache (the oracle's FP8 KV emulation caches each head's K/V;
+#: MLA engines cache the compressed latent, which it does not emulate: fp8rl.reference.rollout_hf refuses)
+MLA_RECIPES: tuple[str, ...] = ("bf16", "fp8-linear")
+
+
 def recipes_for(model: str) -> tuple[str, ...]:
     """The recipes the e2e area runs on ``model``."""
+    if "mla" in fixtures.model_families(model):
+        return MLA_RECIPES
     if model not in MATRIX_MODELS:
         return VARIANT_RECIPES
     return tuple(r for r in RECIPES if R.RECIPES[r].mx is None or MX_CASES.get(r) == model)
@@ -326,7 +333,7 @@ def logits_case(engine: Any, model: str, recipe: str, *, run_seed: int = 0) -> L
     def run() -> LogitsCase:
         case = cached_case(engine, model, recipe, run_seed=run_seed)
         m = fixtures.tiny_model(model)
-        seed, v = sampling_seed(run_seed), int(m.config["vocab_size"])
+        seed, v = sampling_seed(run_seed), int(fixtures.text_config(m.config)["vocab_size"])
         handle = engine.rollout_init(m.config, m.state_dict, recipe)
         g = rollout_logits(engine, handle, prompts(), N_NEW, greedy=True, seed=seed, vocab=v)
         smp = rollout_logits(engine, handle, prompts(), N_NEW, greedy=False, seed=seed, vocab=v)
@@ -343,7 +350,7 @@ def gof_rollout(engine: Any, model: str, recipe: str, *, run_seed: int = 0) -> L
         p = prompts().repeat_interleave(GOF_COPIES, dim=0)
         handle = engine.rollout_init(m.config, m.state_dict, recipe)
         return rollout_logits(engine, handle, p, GOF_NEW, greedy=False, seed=sampling_seed(run_seed),
-                              vocab=int(m.config["vocab_size"]))
+                              vocab=int(fixtures.text_config(m.config)["vocab_size"]))
 
     return _cached(_LOGITS_CACHE, ("gof", id(engine), model, recipe, int(run_seed)), engine, run)
 

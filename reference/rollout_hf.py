@@ -104,25 +104,29 @@ def transformers_reason() -> str | None:
 
 def build_hf_model(config: Mapping[str, Any], *, attn_implementation: str = "sdpa",
                    experts_implementation: str | None = "eager", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A transformers causal LM for an HF config dict (random init; load weights afterwards), eval mode, no grads."""
+    """A transformers causal LM for an HF config dict (random init; load weights afterwards), eval mode, no grads.
+    A multimodal config (one ``AutoModelForCausalLM`` has no class for, e.g. ``Qwen2_5_VLConfig``) builds its
+    ``AutoModelForImageTextToText`` class, whose text-only forward is its language model's with its LM head."""
     _offline()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cfg = {k: v for k, v in dict(config).items() if k not in ("quantization_config", "transformers_version")}
     model_type = cfg.pop("model_type")
     hf_cfg = AutoConfig.for_model(model_type, **cfg)
+    auto = AutoModelForCausalLM if type(hf_cfg) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
     if experts_implementation is not None and "moe" in model_type:
         kwargs["experts_implementation"] = experts_implementation
     if attn_implementation == _ATTN_NAME:
         _register_attention()
     try:
-        model = AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
+        model = auto.from_config(hf_cfg, **kwargs)
     except TypeError:  # transformers without selectable expert kernels: its only kernel is the eager loop
         if "experts_implementation" not in kwargs:
             raise
         kwargs.pop("experts_implementation")
-        model = AutoModelForCausalLM.from_config(hf_cfg, **kwargs)
+        model = auto.from_config(hf_cfg, **kwargs)
     model.eval().requires_grad_(False)
     return model
 
@@ -292,6 +296,11 @@ class RolloutPolicy:
         if left:
             raise ValueError(f"state_dict: missing weights {left[:5]}")
         if self.kv is not None:
+            if any(hasattr(mod, "kv_a_proj_with_mqa") for mod in model.modules()):
+                raise ValueError(f"recipe {r.name!r}: the FP8 KV emulation quantizes each head's K and V as a paged "
+                                 "cache holds them; an MLA model (DeepSeek's kv_a_proj_with_mqa) caches its compressed "
+                                 "latent instead (one scale over c_kv and the roped k_pe), which this oracle does not "
+                                 "emulate: use a recipe without an FP8 KV cache (bf16, fp8-linear)")
             for mod in model.modules():
                 if hasattr(mod, "layer_idx") and hasattr(mod, "k_proj"):
                     setattr(mod, "_fp8rl_kv", self.kv)  # noqa: B010 - read by _fp8_attention

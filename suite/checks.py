@@ -513,8 +513,8 @@ class GuardedEngine:
 
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         handle = self._call("rollout_init", config, state_dict, recipe)
-        self._vocab[id(handle)] = int(config["vocab_size"]) if isinstance(config, dict) and "vocab_size" in config \
-            else None
+        text = (config.get("text_config") or config) if isinstance(config, dict) else None  # a VL wrapper's LM
+        self._vocab[id(handle)] = int(text["vocab_size"]) if isinstance(text, dict) and "vocab_size" in text else None
         return handle
 
     def update_weights(self, handle: Any, state_dict: Any) -> Any:

@@ -149,34 +149,38 @@ def test_reference_is_conformant_and_reports_the_mismatch_table(reference_ci_run
     rep = _report(out / "report.json")
     # weight_sync: 9 checks (5 state-dict, 4 refit) x the 8 weight-sync fixtures (4 Qwen + 4 other families),
     # 3 microscaling checks x 4 Qwen fixtures x 2 recipes; e2e: 6 checks per (model, recipe) case
-    # (20: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each variant and on
-    # each family fixture rolled out, tiny-llama and tiny-qwen3-moe-fused) + the GoF check per model (6)
+    # (24: 5 recipes on each matrix model, mxfp8 on the dense, nvfp4-experts on the MoE, 2 on each variant and on
+    # each family fixture rolled out: tiny-llama, tiny-qwen3-moe-fused, tiny-qwen2.5-vl with bf16/fp8-all, the MLA
+    # fixture tiny-deepseek-v3 with bf16/fp8-linear) + the GoF check per model (8)
     from fp8rl import fixtures
     from fp8rl.conformance import _e2e as E
     from fp8rl.reference import mx_weight_sync
 
-    assert len(E.CASES) == 20 and len(fixtures.SYNC_MODELS) == 8 and len(fixtures.TINY_MODELS) == 4
-    assert E.MODELS == fixtures.TINY_MODELS + ("tiny-llama", "tiny-qwen3-moe-fused")
+    assert len(E.CASES) == 24 and len(fixtures.SYNC_MODELS) == 8 and len(fixtures.TINY_MODELS) == 4
+    assert E.MODELS == fixtures.TINY_MODELS + ("tiny-llama", "tiny-qwen3-moe-fused", "tiny-deepseek-v3",
+                                               "tiny-qwen2.5-vl")
     assert len(mx_weight_sync.MX_SYNC_RECIPES) == 2
     outcomes = Counter(c["outcome"] for c in rep["checks"] if c["area"] in ("weight_sync", "e2e"))
-    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 9 * 8 + 3 * 4 * 2 + 6 * 20 + 6}
+    assert rep["summary"]["verdict"] == "conformant" and outcomes == {"passed": 9 * 8 + 3 * 4 * 2 + 6 * 24 + 8}
     sec = rep["sections"]["mismatch"]
     rows = sec["table"]["rows"]
     assert [(row[0], row[1]) for row in rows] == list(E.CASES)
     assert {(m, r) for m, r in E.CASES if m not in ("tiny-qwen3", "tiny-qwen3-moe")} == \
-        {(m, r) for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd", "tiny-llama", "tiny-qwen3-moe-fused")
-         for r in ("bf16", "fp8-all")}
+        {(m, r) for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd", "tiny-llama", "tiny-qwen3-moe-fused",
+                          "tiny-qwen2.5-vl") for r in ("bf16", "fp8-all")} | \
+        {("tiny-deepseek-v3", "bf16"), ("tiny-deepseek-v3", "fp8-linear")}
     k3 = {(row[0], row[1]): row[2] for row in rows}
     for m in ("tiny-qwen3", "tiny-qwen3-moe"):  # FP8 linear layers move the policy far more than BF16 decoding
         assert k3[(m, "fp8-linear")] > 10 * k3[(m, "bf16")] and k3[(m, "fp8-linear-ptpc")] > 10 * k3[(m, "bf16")]
-    for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd", "tiny-llama", "tiny-qwen3-moe-fused"):
+    for m in ("tiny-qwen2-moe", "tiny-qwen3-tied-odd", "tiny-llama", "tiny-qwen3-moe-fused", "tiny-qwen2.5-vl"):
         assert k3[(m, "fp8-all")] > 10 * k3[(m, "bf16")]
+    assert k3[("tiny-deepseek-v3", "fp8-linear")] > 10 * k3[("tiny-deepseek-v3", "bf16")]
     # the packed fixture holds tiny-qwen3-moe's weights: its rollouts are the per-expert model's, bit for bit
     assert k3[("tiny-qwen3-moe-fused", "fp8-all")] == k3[("tiny-qwen3-moe", "fp8-all")]
     gof = [c for c in rep["checks"] if c["id"] == "E2E-GOF-001"]
-    assert len(gof) == 6 and all(c["metrics"]["ks_d"] < c["metrics"]["ks_threshold"] for c in gof)
+    assert len(gof) == 8 and all(c["metrics"]["ks_d"] < c["metrics"]["ks_threshold"] for c in gof)
     plots = sec["plot"]
-    assert len(plots) == 6 and [set(p["series"]) for p in plots] == [set(E.recipes_for(m)) for m in E.MODELS]
+    assert len(plots) == 8 and [set(p["series"]) for p in plots] == [set(E.recipes_for(m)) for m in E.MODELS]
     assert all(len(ys) == len(p["x"]) == 20 for p in plots for ys in p["series"].values())
     html = (out / "report.html").read_text()
     assert "FP8 rollout vs BF16 trainer" in html

@@ -407,3 +407,36 @@ def test_packed_experts_roll_out_like_their_unfused_experts_exact(recipe):
         got.append(eng.rollout(handle, E.prompts(), 8, greedy=False, seed=11)[:2])
     (t0, lp0), (t1, lp1) = got
     assert torch.equal(t0, t1) and torch.equal(lp0.view(torch.int32), lp1.view(torch.int32))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-all"])
+def test_vl_wrapper_rolls_out_like_its_language_model_exact(recipe):
+    """tiny-qwen2.5-vl's text-only rollout (transformers' Qwen2_5_VLForConditionalGeneration, built through
+    AutoModelForImageTextToText) equals the rollout of its language model alone, the Qwen2ForCausalLM of its
+    text_config with the same weights, tokens and log-probs bit for bit: on text, multimodal RoPE gives the three
+    position sections the same position, which is 1-D RoPE, and the vision tower is never run."""
+    from fp8rl.conformance import _e2e as E
+
+    vl = F.tiny_model("tiny-qwen2.5-vl")
+    text_cfg = dict(vl.config["text_config"], model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                    rope_scaling=None)
+    text_sd = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+               for k, v in vl.state_dict.items() if not k.startswith("model.visual.")}
+    got = []
+    for cfg, sd in ((vl.config, vl.state_dict), (text_cfg, text_sd)):
+        pol = H.RolloutPolicy(cfg, sd, recipe)
+        got.append(pol.generate(E.prompts(), 8, greedy=False, seed=11))
+    assert type(H.RolloutPolicy(vl.config, vl.state_dict, "bf16").model).__name__ == \
+        "Qwen2_5_VLForConditionalGeneration"
+    assert torch.equal(got[0].tokens, got[1].tokens)
+    assert torch.equal(got[0].logprobs.view(torch.int32), got[1].logprobs.view(torch.int32))
+
+
+def test_mla_refuses_the_fp8_kv_recipes_with_the_reason():
+    """The FP8 KV emulation caches each head's K/V; an MLA model caches its compressed latent: the oracle refuses
+    the KV recipes on it (and runs the others)."""
+    mla = F.tiny_model("tiny-deepseek-v3")
+    H.RolloutPolicy(mla.config, mla.state_dict, "fp8-linear")
+    for recipe in ("fp8-kv", "fp8-all"):
+        with pytest.raises(ValueError, match=rf"recipe '{recipe}': .*MLA .*compressed latent"):
+            H.RolloutPolicy(mla.config, mla.state_dict, recipe)

@@ -41,10 +41,10 @@ class VllmLLMMixin:
                                "rollout.fp8-kv": True, "rollout.fp8-linear-ptpc": True, "rollout.logits": True}
         caps["weight_sync"] = (f"vllm {v}: no 128x128 block weight sync on CPU: quantization='fp8_per_block' "
                                "fails to load without AMX")
-        for key in ROLLOUT_FAMILY_KEYS:  # rollout.llama, rollout.fused-experts
+        for key in ROLLOUT_FAMILY_KEYS:  # rollout.llama, rollout.fused-experts, rollout.mla, rollout.multimodal
             caps[key] = (f"vllm {v}: rollouts of the {key.split('.', 1)[1]} family fixture are not run yet: each "
                          "rollout configuration starts a vllm.LLM process, and this tier's CI budget holds the Qwen "
-                         "fixtures' (vLLM's Llama and MoE classes are refit-checked by engine verl-vllm-refit)")
+                         "fixtures' (vLLM's classes for every family are refit-checked by engine verl-vllm-refit)")
         caps["rollout.fp8-linear"] = (f"vllm {v} on CPU: W8A8 block-FP8 linear (128x128 weights, 1x128 activations) "
                                       "needs AMX; only quantization='fp8_per_channel' (PTPC, recipe fp8-linear-ptpc) "
                                       "runs on AVX-512")
@@ -211,7 +211,7 @@ class VllmLLMMixin:
         vocabulary's raw log-probs at every position (``FlatLogprobs``, the sampled token's entry first), which are
         returned as the logits (a per-row shift of them: their log-softmax is themselves); the reported log-prob is
         the sampled token's entry, as in :meth:`rollout`."""
-        v = int(handle["config"]["vocab_size"])
+        v = int((handle["config"].get("text_config") or handle["config"])["vocab_size"])
         outs = self._generate(handle, prompts, max_new_tokens, greedy, seed, logprobs=-1)
         n = int(max_new_tokens)
         logits = torch.full((len(outs), n, v), -math.inf, dtype=torch.float32)
