@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fp8rl import capabilities, inputspace, journal, tolerances
+from fp8rl import capabilities, fixtures, inputspace, journal, tolerances
 from fp8rl.engine import ORACLE_CALLS, Engine, EngineError, Unsupported, capability_reason
 from fp8rl.reference.formats import decode_codes, ulp_distance
 from fp8rl.reference.quant import Granularity, QuantizedTensor
@@ -513,8 +513,8 @@ class GuardedEngine:
 
     def rollout_init(self, config: Any, state_dict: Any, recipe: str) -> Any:
         handle = self._call("rollout_init", config, state_dict, recipe)
-        text = (config.get("text_config") or config) if isinstance(config, dict) else None  # a VL wrapper's LM
-        self._vocab[id(handle)] = int(text["vocab_size"]) if isinstance(text, dict) and "vocab_size" in text else None
+        text = fixtures.text_config(config) if isinstance(config, dict) else None  # a VL wrapper's language model
+        self._vocab[id(handle)] = int(text["vocab_size"]) if text is not None and "vocab_size" in text else None
         return handle
 
     def update_weights(self, handle: Any, state_dict: Any) -> Any:

